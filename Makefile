@@ -1,0 +1,27 @@
+# idempotency: PGXS build.  EXTVERSION is the one source of truth for the
+# extension version.
+EXTENSION = idempotency
+EXTVERSION = 1.0
+MODULE_big = idempotency
+OBJS = $(patsubst %.c,%.o,$(wildcard src/*.c))
+DATA = $(wildcard $(EXTENSION)--*.sql)
+PGFILEDESC = "idempotency - retried operations that take effect once"
+
+PG_CPPFLAGS = -I$(srcdir)/src
+PG_CFLAGS = -Wall -Wextra -Werror -Wno-unused-parameter \
+	-Wno-missing-field-initializers -Wno-sign-compare
+SHLIB_LINK += -lcrypto
+
+# Test inputs follow the contrib layout: sql/ and expected/ for pg_regress,
+# specs/ for pg_isolation_regress, t/ for TAP.  test/run.sh runs them all on a
+# throwaway cluster; REGRESS and ISOLATION also serve `make installcheck`.
+REGRESS = canonical claim errors commit_guard expiry execute privileges contract_tap
+ISOLATION = $(patsubst specs/%.spec,%,$(sort $(wildcard specs/*.spec)))
+
+PG_CONFIG ?= pg_config
+PGXS := $(shell $(PG_CONFIG) --pgxs)
+include $(PGXS)
+
+# test/run.sh asks for the test lists.
+print-%:
+	@echo $($*)

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Installs the Debian packages that building and testing idempotency need, if
+# any is missing, and builds and installs the extension.  Sourced by
+# scripts/demo.sh and test/run.sh; runs as root (a fresh Debian 12 machine
+# needs nothing else), or as a user who can already `make install`.
+
+idem_packages=(
+	gcc make libc6-dev
+	postgresql-15 postgresql-server-dev-15 postgresql-15-pgtap
+	libssl-dev libcurl4-openssl-dev libipc-run-perl
+)
+
+idem_install_deps() {
+	local missing=()
+	for p in "${idem_packages[@]}"; do
+		dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$p")
+	done
+	[ ${#missing[@]} -eq 0 ] && return 0
+	if [ "$(id -u)" -ne 0 ]; then
+		echo "missing packages: ${missing[*]}; run as root to install them" >&2
+		return 1
+	fi
+	echo "installing: ${missing[*]}"
+	export DEBIAN_FRONTEND=noninteractive
+	apt-get update -qq
+	apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+# The PostgreSQL 15 tools, whatever pg_config is first on PATH.
+idem_pg_env() {
+	export PG_CONFIG=/usr/lib/postgresql/15/bin/pg_config
+	PG_BINDIR=$("$PG_CONFIG" --bindir)
+	PGXS_DIR=$(cd "$(dirname "$("$PG_CONFIG" --pgxs)")/../.." && pwd)
+	export PG_BINDIR PGXS_DIR
+}
+
+idem_build_install() {
+	make -s PG_CONFIG="$PG_CONFIG" >/dev/null
+	make -s PG_CONFIG="$PG_CONFIG" install >/dev/null
+}
+
+# Run a command as the unprivileged user "postgres" when we are root:
+# PostgreSQL refuses to run as root.
+idem_as_pg() {
+	if [ "$(id -u)" -eq 0 ]; then
+		runuser -u postgres -- "$@"
+	else
+		"$@"
+	fi
+}

@@ -1,0 +1,813 @@
+/*-------------------------------------------------------------------------
+ *
+ * claims.c
+ *	  Claiming an idempotency key, storing its response, replaying it.
+ *
+ * A claim is not a row.  It is an exclusive advisory lock on a hash of
+ * (scope, key), held until the claiming transaction ends, plus an entry in
+ * this backend's list of pending claims.  idem_succeed then writes the one
+ * and only row of the operation, with its response, in the caller's
+ * transaction.  So a create writes a single tuple, a replay is a read-only
+ * index lookup, and a claim can never be committed without its response: the
+ * pre-commit callback refuses to commit while a claim is unfinished.
+ *
+ * A duplicate that finds no committed record takes the lock, waiting up to
+ * idempotency.wait_timeout for the holder's transaction to end, and then
+ * looks again with a fresh snapshot: it replays the winner's response, or
+ * claims the key itself if the winner rolled back.  Under REPEATABLE READ and
+ * SERIALIZABLE a winner committed after the transaction's snapshot cannot be
+ * replayed consistently, so that case is a serialization failure.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include <limits.h>
+#include <math.h>
+
+#include "access/table.h"
+#include "access/xact.h"
+#include "common/hashfn.h"
+#include "funcapi.h"
+#include "miscadmin.h"
+#include "storage/lmgr.h"
+#include "storage/lock.h"
+#include "storage/proc.h"
+#include "utils/builtins.h"
+#include "utils/guc.h"
+#include "utils/memutils.h"
+#include "utils/resowner.h"
+#include "utils/snapmgr.h"
+
+#include "claims.h"
+#include "fingerprint.h"
+
+int			idem_wait_timeout = 5000;
+int			idem_default_ttl = 86400;
+int			idem_max_response_bytes = 1024 * 1024;
+
+typedef enum ClaimState
+{
+	CLAIM_HELD,					/* claimed, response not stored yet */
+	CLAIM_SUCCEEDED,			/* response stored */
+	CLAIM_RELEASED				/* given up */
+} ClaimState;
+
+/*
+ * One change of a claim's state in this transaction.  The list is a log,
+ * appended in order; the last entry of a key is its current state.  A
+ * subtransaction's entries are always the tail of the log, so rolling one back
+ * truncates the log and restores the states it changed.
+ */
+typedef struct ClaimEntry
+{
+	text	   *scope;
+	text	   *key;
+	bytea	   *fingerprint;
+	TimestampTz created_at;
+	TimestampTz expires_at;
+	int64		token;
+	ClaimState	state;
+	int			nest_level;		/* subtransaction level of the change */
+} ClaimEntry;
+
+/* The log lives in TopTransactionContext; these are reset at transaction end. */
+static ClaimEntry *claim_log = NULL;
+static int	claim_log_len = 0;
+static int	claim_log_size = 0;
+static int	claims_unfinished = 0;
+
+/* Same bytes, for texts and byteas alike. */
+static inline bool
+varlena_equal(const struct varlena *a, const struct varlena *b)
+{
+	Size		len = VARSIZE_ANY_EXHDR(a);
+
+	return len == VARSIZE_ANY_EXHDR(b) &&
+		memcmp(VARDATA_ANY(a), VARDATA_ANY(b), len) == 0;
+}
+
+/* The current entry of (scope, key) in this transaction, or NULL. */
+static ClaimEntry *
+claim_log_find(text *scope, text *key)
+{
+	for (int i = claim_log_len - 1; i >= 0; i--)
+	{
+		ClaimEntry *e = &claim_log[i];
+
+		if (varlena_equal(e->key, key) && varlena_equal(e->scope, scope))
+			return e;
+	}
+	return NULL;
+}
+
+/* Append a state change; the first entry of a key copies its values into TopTransactionContext. */
+static void
+claim_log_append(const ClaimEntry *entry, ClaimState state)
+{
+	ClaimEntry	copy = *entry;	/* entry may point into the log we grow */
+	MemoryContext oldcontext = MemoryContextSwitchTo(TopTransactionContext);
+	ClaimEntry *e;
+
+	if (claim_log_len == claim_log_size)
+	{
+		claim_log_size = claim_log_size ? claim_log_size * 2 : 8;
+		claim_log = claim_log ?
+			repalloc(claim_log, claim_log_size * sizeof(ClaimEntry)) :
+			palloc(claim_log_size * sizeof(ClaimEntry));
+	}
+	e = &claim_log[claim_log_len++];
+	*e = copy;
+	if (state == CLAIM_HELD)
+	{
+		e->scope = (text *) PG_DETOAST_DATUM_COPY(PointerGetDatum(copy.scope));
+		e->key = (text *) PG_DETOAST_DATUM_COPY(PointerGetDatum(copy.key));
+		e->fingerprint = (bytea *) PG_DETOAST_DATUM_COPY(PointerGetDatum(copy.fingerprint));
+		claims_unfinished++;
+	}
+	else
+		claims_unfinished--;
+	e->state = state;
+	e->nest_level = GetCurrentTransactionNestLevel();
+	MemoryContextSwitchTo(oldcontext);
+}
+
+/* Recount unfinished claims after the log was truncated. */
+static void
+claim_log_recount(void)
+{
+	claims_unfinished = 0;
+	for (int i = 0; i < claim_log_len; i++)
+		claims_unfinished += (claim_log[i].state == CLAIM_HELD) ? 1 : -1;
+}
+
+/* Refuse to commit or prepare while a claim has neither a response nor a release. */
+static void
+claims_check_finished(void)
+{
+	for (int i = 0; i < claim_log_len && claims_unfinished > 0; i++)
+	{
+		ClaimEntry *e = &claim_log[i];
+
+		if (e->state == CLAIM_HELD && claim_log_find(e->scope, e->key) == e)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_TRANSACTION_STATE),
+					 errmsg("transaction holds an unfinished idempotency claim"),
+					 errdetail("Key \"%s\" in scope \"%s\" was claimed, but neither idem_succeed nor idem_release was called.",
+							   text_to_cstring(e->key), text_to_cstring(e->scope)),
+					 errhint("Store the response with idem_succeed(), give the claim up with idem_release(), or roll back.")));
+	}
+}
+
+/* Transaction callback: guard the commit, forget the log at the end. */
+static void
+claims_xact_callback(XactEvent event, void *arg)
+{
+	switch (event)
+	{
+		case XACT_EVENT_PRE_COMMIT:
+		case XACT_EVENT_PARALLEL_PRE_COMMIT:
+		case XACT_EVENT_PRE_PREPARE:
+			if (claims_unfinished > 0)
+				claims_check_finished();
+			break;
+		case XACT_EVENT_COMMIT:
+		case XACT_EVENT_PARALLEL_COMMIT:
+		case XACT_EVENT_ABORT:
+		case XACT_EVENT_PARALLEL_ABORT:
+		case XACT_EVENT_PREPARE:
+			claim_log = NULL;
+			claim_log_len = claim_log_size = claims_unfinished = 0;
+			break;
+	}
+}
+
+/* Subtransaction callback: a rolled-back savepoint takes its claims with it. */
+static void
+claims_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
+						SubTransactionId parentSubid, void *arg)
+{
+	int			level = GetCurrentTransactionNestLevel();
+
+	if (event == SUBXACT_EVENT_ABORT_SUB)
+	{
+		int			keep = claim_log_len;
+
+		while (keep > 0 && claim_log[keep - 1].nest_level >= level)
+			keep--;
+		if (keep != claim_log_len)
+		{
+			claim_log_len = keep;
+			claim_log_recount();
+		}
+	}
+	else if (event == SUBXACT_EVENT_COMMIT_SUB)
+	{
+		for (int i = claim_log_len - 1; i >= 0 && claim_log[i].nest_level >= level; i--)
+			claim_log[i].nest_level = level - 1;
+	}
+}
+
+/* Define the GUCs and register the transaction callbacks; called from _PG_init. */
+void
+ClaimsInit(void)
+{
+	DefineCustomIntVariable("idempotency.wait_timeout",
+							"How long a duplicate claim waits for the transaction that holds its key.",
+							"After this, the duplicate gets 'in_progress'. 0 answers at once.",
+							&idem_wait_timeout,
+							5000, 0, INT_MAX,
+							PGC_USERSET, GUC_UNIT_MS,
+							NULL, NULL, NULL);
+	DefineCustomIntVariable("idempotency.default_ttl",
+							"How long a record is kept when idem_claim is given no ttl.",
+							"Choose more than the longest time a client keeps retrying.",
+							&idem_default_ttl,
+							86400, 1, INT_MAX,
+							PGC_USERSET, GUC_UNIT_S,
+							NULL, NULL, NULL);
+	DefineCustomIntVariable("idempotency.max_response_bytes",
+							"Largest response idem_succeed stores, body and headers together.",
+							NULL,
+							&idem_max_response_bytes,
+							1024 * 1024, 0, MaxAllocSize,
+							PGC_SUSET, GUC_UNIT_BYTE,
+							NULL, NULL, NULL);
+
+	RegisterXactCallback(claims_xact_callback, NULL);
+	RegisterSubXactCallback(claims_subxact_callback, NULL);
+}
+
+/* A text argument that must not be NULL. */
+text *
+claim_arg_text(FunctionCallInfo fcinfo, int argno, const char *name)
+{
+	if (PG_ARGISNULL(argno))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("%s must not be null", name)));
+	return PG_GETARG_TEXT_PP(argno);
+}
+
+/* Validate scope and key: non-empty, bounded, the key printable ASCII. */
+void
+claim_check_scope_key(text *scope, text *key)
+{
+	int			scope_len = VARSIZE_ANY_EXHDR(scope);
+	int			key_len = VARSIZE_ANY_EXHDR(key);
+	const unsigned char *k = (const unsigned char *) VARDATA_ANY(key);
+
+	if (scope_len == 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("scope must not be empty")));
+	if (scope_len > IDEM_MAX_SCOPE_LEN)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("scope is too long"),
+				 errdetail("A scope has at most %d bytes; this one has %d.",
+						   IDEM_MAX_SCOPE_LEN, scope_len)));
+	if (key_len == 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("idempotency key must not be empty")));
+	if (key_len > IDEM_MAX_KEY_LEN)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("idempotency key is too long"),
+				 errdetail("A key has at most %d characters; this one has %d.",
+						   IDEM_MAX_KEY_LEN, key_len)));
+	for (int i = 0; i < key_len; i++)
+		if (k[i] < 0x20 || k[i] > 0x7E)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("idempotency key must be printable ASCII"),
+					 errdetail("Byte %d of the key is 0x%02x; only 0x20 to 0x7E are allowed.",
+							   i + 1, k[i])));
+}
+
+/* Expiry time from the ttl argument (or the default_ttl GUC when it is NULL); must lie in the future. */
+TimestampTz
+claim_expiry(FunctionCallInfo fcinfo, int argno, TimestampTz now)
+{
+	TimestampTz expires_at;
+
+	if (PG_NARGS() <= argno || PG_ARGISNULL(argno))
+		return now + (int64) idem_default_ttl * USECS_PER_SEC;
+
+	expires_at = DatumGetTimestampTz(DirectFunctionCall2(timestamptz_pl_interval,
+														 TimestampTzGetDatum(now),
+														 PG_GETARG_DATUM(argno)));
+	if (expires_at <= now)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("ttl must be positive"),
+				 errdetail("The ttl given was %s.",
+						   DatumGetCString(DirectFunctionCall1(interval_out,
+															   PG_GETARG_DATUM(argno))))));
+	return expires_at;
+}
+
+/* Validate a response before it is stored: status range, headers an object, size cap. */
+void
+claim_check_response(int32 status, Jsonb *body, Jsonb *headers)
+{
+	Size		size = 0;
+
+	if (status < 100 || status > 599)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("status must be between 100 and 599"),
+				 errdetail("The status given was %d.", status)));
+	if (headers != NULL && !(JB_ROOT_IS_OBJECT(headers) && !JB_ROOT_IS_SCALAR(headers)))
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("headers must be a JSON object")));
+	if (body != NULL)
+		size += VARSIZE(body);
+	if (headers != NULL)
+		size += VARSIZE(headers);
+	if (size > (Size) idem_max_response_bytes)
+		ereport(ERROR,
+				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
+				 errmsg("response is too large to store"),
+				 errdetail("Body and headers take %zu bytes; idempotency.max_response_bytes is %d.",
+						   size, idem_max_response_bytes)));
+}
+
+/* The advisory lock tag of (scope, key) in this database. */
+static void
+claim_locktag(LOCKTAG *tag, text *scope, text *key)
+{
+	uint64		h;
+
+	h = hash_bytes_extended((const unsigned char *) VARDATA_ANY(scope),
+							VARSIZE_ANY_EXHDR(scope), 0);
+	h = hash_bytes_extended((const unsigned char *) VARDATA_ANY(key),
+							VARSIZE_ANY_EXHDR(key), h);
+	SET_LOCKTAG_ADVISORY(*tag, MyDatabaseId, (uint32) (h >> 32), (uint32) h,
+						 IDEM_LOCK_CLASS);
+}
+
+/*
+ * Wait for the key's lock, at most idempotency.wait_timeout.  The lock
+ * manager's own lock_timeout does the timing, so the waiter wakes the moment
+ * the holder's transaction ends; its timeout error is caught in an internal
+ * subtransaction, as PL/pgSQL catches exceptions.  Any other error (deadlock,
+ * cancel) propagates.
+ */
+static bool
+claim_lock_wait(const LOCKTAG *tag)
+{
+	MemoryContext oldcontext = CurrentMemoryContext;
+	ResourceOwner oldowner = CurrentResourceOwner;
+	int			saved_lock_timeout = LockTimeout;
+	volatile bool acquired = false;
+
+	BeginInternalSubTransaction(NULL);
+	MemoryContextSwitchTo(oldcontext);
+
+	PG_TRY();
+	{
+		if (LockTimeout == 0 || LockTimeout > idem_wait_timeout)
+			LockTimeout = idem_wait_timeout;
+		(void) LockAcquire(tag, ExclusiveLock, false, false);
+		LockTimeout = saved_lock_timeout;
+		/* Committing the subtransaction hands the lock to our transaction. */
+		ReleaseCurrentSubTransaction();
+		acquired = true;
+	}
+	PG_CATCH();
+	{
+		ErrorData  *edata;
+
+		LockTimeout = saved_lock_timeout;
+		MemoryContextSwitchTo(oldcontext);
+		edata = CopyErrorData();
+		FlushErrorState();
+		RollbackAndReleaseCurrentSubTransaction();
+		if (edata->sqlerrcode != ERRCODE_LOCK_NOT_AVAILABLE)
+			ReThrowError(edata);
+		FreeErrorData(edata);
+	}
+	PG_END_TRY();
+
+	MemoryContextSwitchTo(oldcontext);
+	CurrentResourceOwner = oldowner;
+	return acquired;
+}
+
+/*
+ * Take the key's lock, waiting if another transaction holds it.  Returns
+ * false if it is still held after the wait; *already_held tells whether this
+ * transaction held it before, *owner which resource owner holds it now (after
+ * a wait, the transaction's rather than the statement's).
+ */
+static bool
+claim_lock_acquire(const LOCKTAG *tag, bool *already_held, ResourceOwner *owner)
+{
+	LockAcquireResult res;
+
+	res = LockAcquireExtended(tag, ExclusiveLock, false, true, true, NULL);
+	*already_held = (res == LOCKACQUIRE_ALREADY_HELD ||
+					 res == LOCKACQUIRE_ALREADY_CLEAR);
+	*owner = CurrentResourceOwner;
+	if (res != LOCKACQUIRE_NOT_AVAIL)
+		return true;
+	if (idem_wait_timeout == 0)
+		return false;
+	*owner = CurTransactionResourceOwner;
+	return claim_lock_wait(tag);
+}
+
+/* Release a lock this claim took, under the resource owner that holds it. */
+static void
+claim_lock_release(const LOCKTAG *tag, ResourceOwner owner)
+{
+	ResourceOwner saved_owner = CurrentResourceOwner;
+
+	CurrentResourceOwner = owner;
+	LockRelease(tag, ExclusiveLock, false);
+	CurrentResourceOwner = saved_owner;
+}
+
+/* Answer a claim from a live record: replay, mismatch, or in progress. */
+static void
+answer_from_record(IdemRecord *rec, bytea *fingerprint, TimestampTz now,
+				   ClaimAnswer *answer)
+{
+	if (!varlena_equal(rec->fingerprint, fingerprint))
+		answer->outcome = CLAIM_MISMATCH;
+	else if (rec->completed)
+	{
+		answer->outcome = CLAIM_REPLAY;
+		answer->record = *rec;
+	}
+	else
+	{
+		answer->outcome = CLAIM_IN_PROGRESS;
+		answer->retry_after = 1;
+		if (rec->has_lease && rec->lease_expires_at > now)
+			answer->retry_after = Max(1, (int32) ceil((rec->lease_expires_at - now) /
+													 (double) USECS_PER_SEC));
+	}
+}
+
+/*
+ * Claim (scope, key) for this transaction, or say why not.  See the file
+ * header for the protocol.
+ */
+void
+claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
+		  TimestampTz expires_at, ClaimAnswer *answer)
+{
+	Relation	rel;
+	IdemRecord	rec;
+	LOCKTAG		tag;
+	bool		already_held;
+	ResourceOwner lock_owner;
+	bool		found;
+	Snapshot	snapshot;
+	ClaimEntry *mine;
+	ClaimEntry	entry;
+
+	memset(answer, 0, sizeof(*answer));
+	rel = records_open(AccessShareLock);
+
+	/* A live record visible to this statement: answer without a lock or a write. */
+	if (records_lookup(rel, GetActiveSnapshot(), scope, key, &rec) &&
+		rec.expires_at > now)
+	{
+		answer_from_record(&rec, fingerprint, now, answer);
+		table_close(rel, AccessShareLock);
+		return;
+	}
+
+	mine = claim_log_find(scope, key);
+	if (mine != NULL && mine->state == CLAIM_HELD)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idempotency key \"%s\" in scope \"%s\" is already claimed by this transaction",
+						text_to_cstring(key), text_to_cstring(scope)),
+				 errhint("Call idem_succeed() or idem_release() before claiming it again.")));
+
+	PreventCommandIfReadOnly("idem_claim()");
+
+	claim_locktag(&tag, scope, key);
+	if (!claim_lock_acquire(&tag, &already_held, &lock_owner))
+	{
+		answer->outcome = CLAIM_IN_PROGRESS;
+		answer->retry_after = 1;
+		table_close(rel, AccessShareLock);
+		return;
+	}
+
+	/* Look again: a winner that committed before we got the lock is visible now. */
+	snapshot = RegisterSnapshot(GetLatestSnapshot());
+	found = records_lookup(rel, snapshot, scope, key, &rec);
+	UnregisterSnapshot(snapshot);
+	table_close(rel, AccessShareLock);
+
+	if (found && rec.expires_at > now)
+	{
+		/* Our own record (completed earlier in this statement) is no conflict. */
+		if (IsolationUsesXactSnapshot() && mine == NULL)
+			ereport(ERROR,
+					(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+					 errmsg("could not serialize access due to a concurrent claim of idempotency key \"%s\" in scope \"%s\"",
+							text_to_cstring(key), text_to_cstring(scope)),
+					 errdetail("Another transaction completed the key after this transaction's snapshot was taken."),
+					 errhint("The transaction might succeed if retried.")));
+		answer_from_record(&rec, fingerprint, now, answer);
+		/* Replaying needs no lock: let the next duplicate in at once. */
+		if (!already_held)
+			claim_lock_release(&tag, lock_owner);
+		return;
+	}
+
+	if (found)
+	{
+		/* An expired record behaves as if it were gone: remove it for ours. */
+		rel = records_open(RowExclusiveLock);
+		records_delete_expired(rel, &rec.tid);
+		table_close(rel, RowExclusiveLock);
+	}
+
+	entry.scope = scope;
+	entry.key = key;
+	entry.fingerprint = fingerprint;
+	entry.created_at = now;
+	entry.expires_at = expires_at;
+	entry.token = 1;
+	claim_log_append(&entry, CLAIM_HELD);
+
+	answer->outcome = CLAIM_CLAIMED;
+	answer->token = 1;
+	answer->recovery_point = NULL;
+}
+
+/* The claim of (scope, key) this transaction holds; an error if it holds none. */
+static ClaimEntry *
+claim_held(text *scope, text *key, const char *caller)
+{
+	ClaimEntry *e = claim_log_find(scope, key);
+
+	if (e == NULL || e->state != CLAIM_HELD)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("%s: this transaction holds no claim on idempotency key \"%s\" in scope \"%s\"",
+						caller, text_to_cstring(key), text_to_cstring(scope)),
+				 e == NULL ? 0 :
+				 errdetail("The claim was already %s in this transaction.",
+						   e->state == CLAIM_SUCCEEDED ? "completed" : "released"),
+				 errhint("Call idem_claim() in the same transaction first.")));
+	return e;
+}
+
+/* Store the response of a claim held by this transaction: the operation's single write. */
+void
+claim_succeed(text *scope, text *key, int32 status, Jsonb *body, Jsonb *headers)
+{
+	ClaimEntry *e = claim_held(scope, key, "idem_succeed");
+	IdemRecord	rec;
+	Relation	rel;
+
+	claim_check_response(status, body, headers);
+
+	memset(&rec, 0, sizeof(rec));
+	rec.completed = true;
+	rec.fingerprint = e->fingerprint;
+	rec.has_status = true;
+	rec.status = status;
+	rec.headers = headers;
+	rec.body = body;
+	rec.token = e->token;
+	rec.created_at = e->created_at;
+	rec.has_completed_at = true;
+	rec.completed_at = GetCurrentTimestamp();
+	rec.expires_at = e->expires_at;
+
+	rel = records_open(RowExclusiveLock);
+	records_insert(rel, scope, key, &rec);
+	table_close(rel, RowExclusiveLock);
+
+	claim_log_append(e, CLAIM_SUCCEEDED);
+}
+
+/* Build an idem_claim_result tuple; the blessed descriptor is cached in fn_extra. */
+static Datum
+claim_result_datum(FunctionCallInfo fcinfo, const ClaimAnswer *answer)
+{
+	static const char *const outcome_names[] = {
+		[CLAIM_CLAIMED] = "claimed",
+		[CLAIM_REPLAY] = "replay",
+		[CLAIM_IN_PROGRESS] = "in_progress",
+		[CLAIM_MISMATCH] = "mismatch",
+	};
+	TupleDesc	tupdesc = (TupleDesc) fcinfo->flinfo->fn_extra;
+	Datum		values[7];
+	bool		nulls[7];
+
+	if (tupdesc == NULL)
+	{
+		MemoryContext oldcontext = MemoryContextSwitchTo(fcinfo->flinfo->fn_mcxt);
+
+		if (get_call_result_type(fcinfo, NULL, &tupdesc) != TYPEFUNC_COMPOSITE)
+			elog(ERROR, "return type of idem_claim must be a row type");
+		tupdesc = BlessTupleDesc(CreateTupleDescCopy(tupdesc));
+		fcinfo->flinfo->fn_extra = tupdesc;
+		MemoryContextSwitchTo(oldcontext);
+	}
+
+	memset(nulls, true, sizeof(nulls));
+	values[0] = CStringGetTextDatum(outcome_names[answer->outcome]);
+	nulls[0] = false;
+	switch (answer->outcome)
+	{
+		case CLAIM_REPLAY:
+			values[1] = Int32GetDatum(answer->record.status);
+			nulls[1] = !answer->record.has_status;
+			values[2] = PointerGetDatum(answer->record.headers);
+			nulls[2] = (answer->record.headers == NULL);
+			values[3] = PointerGetDatum(answer->record.body);
+			nulls[3] = (answer->record.body == NULL);
+			break;
+		case CLAIM_IN_PROGRESS:
+			values[4] = Int32GetDatum(answer->retry_after);
+			nulls[4] = false;
+			break;
+		case CLAIM_CLAIMED:
+			values[5] = Int64GetDatum(answer->token);
+			nulls[5] = false;
+			values[6] = PointerGetDatum(answer->recovery_point);
+			nulls[6] = (answer->recovery_point == NULL);
+			break;
+		case CLAIM_MISMATCH:
+			break;
+	}
+	return HeapTupleGetDatum(heap_form_tuple(tupdesc, values, nulls));
+}
+
+PG_FUNCTION_INFO_V1(idem_claim_jsonb);
+PG_FUNCTION_INFO_V1(idem_claim_text);
+PG_FUNCTION_INFO_V1(idem_claim_bytea);
+PG_FUNCTION_INFO_V1(idem_succeed);
+PG_FUNCTION_INFO_V1(idem_release);
+PG_FUNCTION_INFO_V1(idem_replay);
+
+/* Validated (scope, key) and ttl, then the claim and its result row. */
+static Datum
+claim_with_fingerprint(FunctionCallInfo fcinfo, text *scope, text *key,
+					   bytea *fingerprint, TimestampTz now)
+{
+	TimestampTz expires_at = claim_expiry(fcinfo, 3, now);
+	ClaimAnswer answer;
+
+	claim_key(scope, key, fingerprint, now, expires_at, &answer);
+	return claim_result_datum(fcinfo, &answer);
+}
+
+/* The request argument, which must not be NULL. */
+static void
+claim_check_request(FunctionCallInfo fcinfo)
+{
+	if (PG_ARGISNULL(2))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("request must not be null"),
+				 errhint("Pass '{}' for a request without a body.")));
+}
+
+/* idem_claim(scope, key, request jsonb, ttl): claim with the request's SHA-256 fingerprint. */
+Datum
+idem_claim_jsonb(PG_FUNCTION_ARGS)
+{
+	text	   *scope = claim_arg_text(fcinfo, 0, "scope");
+	text	   *key = claim_arg_text(fcinfo, 1, "key");
+
+	claim_check_scope_key(scope, key);
+	claim_check_request(fcinfo);
+	PG_RETURN_DATUM(claim_with_fingerprint(fcinfo, scope, key,
+										   idem_fingerprint_jsonb(PG_GETARG_JSONB_P(2)),
+										   GetCurrentTimestamp()));
+}
+
+/*
+ * idem_claim(scope, key, request text, ttl): the request as JSON text.  Also
+ * what an untyped literal resolves to, which the jsonb and bytea overloads
+ * alone would leave ambiguous.
+ */
+Datum
+idem_claim_text(PG_FUNCTION_ARGS)
+{
+	text	   *scope = claim_arg_text(fcinfo, 0, "scope");
+	text	   *key = claim_arg_text(fcinfo, 1, "key");
+	Jsonb	   *request;
+
+	claim_check_scope_key(scope, key);
+	claim_check_request(fcinfo);
+	request = DatumGetJsonbP(DirectFunctionCall1(jsonb_in,
+												 CStringGetDatum(text_to_cstring(PG_GETARG_TEXT_PP(2)))));
+	PG_RETURN_DATUM(claim_with_fingerprint(fcinfo, scope, key,
+										   idem_fingerprint_jsonb(request),
+										   GetCurrentTimestamp()));
+}
+
+/* idem_claim(scope, key, fingerprint bytea, ttl): claim with the caller's own request hash. */
+Datum
+idem_claim_bytea(PG_FUNCTION_ARGS)
+{
+	text	   *scope = claim_arg_text(fcinfo, 0, "scope");
+	text	   *key = claim_arg_text(fcinfo, 1, "key");
+	bytea	   *fingerprint;
+
+	claim_check_scope_key(scope, key);
+	if (PG_ARGISNULL(2))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("fingerprint must not be null")));
+	fingerprint = PG_GETARG_BYTEA_PP(2);
+	if (VARSIZE_ANY_EXHDR(fingerprint) == 0 || VARSIZE_ANY_EXHDR(fingerprint) > 64)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("fingerprint must have 1 to 64 bytes"),
+				 errdetail("The fingerprint given has %d bytes.",
+						   (int) VARSIZE_ANY_EXHDR(fingerprint))));
+	PG_RETURN_DATUM(claim_with_fingerprint(fcinfo, scope, key, fingerprint,
+										   GetCurrentTimestamp()));
+}
+
+/* idem_succeed(scope, key, status, body, headers): store the response of our claim. */
+Datum
+idem_succeed(PG_FUNCTION_ARGS)
+{
+	text	   *scope = claim_arg_text(fcinfo, 0, "scope");
+	text	   *key = claim_arg_text(fcinfo, 1, "key");
+
+	claim_check_scope_key(scope, key);
+	if (PG_ARGISNULL(2))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("status must not be null")));
+	claim_succeed(scope, key, PG_GETARG_INT32(2),
+				  PG_ARGISNULL(3) ? NULL : PG_GETARG_JSONB_P(3),
+				  PG_ARGISNULL(4) ? NULL : PG_GETARG_JSONB_P(4));
+	PG_RETURN_VOID();
+}
+
+/*
+ * idem_release(scope, key): give our claim up without a response, so a retry
+ * executes again.  The key's lock stays until the transaction ends; a waiting
+ * duplicate then finds no record and claims the key.
+ */
+Datum
+idem_release(PG_FUNCTION_ARGS)
+{
+	text	   *scope = claim_arg_text(fcinfo, 0, "scope");
+	text	   *key = claim_arg_text(fcinfo, 1, "key");
+
+	claim_check_scope_key(scope, key);
+	claim_log_append(claim_held(scope, key, "idem_release"), CLAIM_RELEASED);
+	PG_RETURN_VOID();
+}
+
+/* idem_replay(scope, key): the stored outcome of a key, read-only; no row if unknown or expired. */
+Datum
+idem_replay(PG_FUNCTION_ARGS)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	text	   *scope = claim_arg_text(fcinfo, 0, "scope");
+	text	   *key = claim_arg_text(fcinfo, 1, "key");
+	Relation	rel;
+	IdemRecord	rec;
+	bool		found;
+
+	claim_check_scope_key(scope, key);
+	InitMaterializedSRF(fcinfo, 0);
+
+	rel = records_open(AccessShareLock);
+	found = records_lookup(rel, GetActiveSnapshot(), scope, key, &rec);
+	table_close(rel, AccessShareLock);
+
+	if (found && rec.expires_at > GetCurrentTimestamp())
+	{
+		Datum		values[7];
+		bool		nulls[7];
+
+		memset(nulls, false, sizeof(nulls));
+		values[0] = CStringGetTextDatum(rec.completed ? RECORD_STATE_COMPLETED :
+										RECORD_STATE_PROCESSING);
+		values[1] = Int32GetDatum(rec.status);
+		nulls[1] = !rec.has_status;
+		values[2] = PointerGetDatum(rec.headers);
+		nulls[2] = (rec.headers == NULL);
+		values[3] = PointerGetDatum(rec.body);
+		nulls[3] = (rec.body == NULL);
+		values[4] = TimestampTzGetDatum(rec.created_at);
+		values[5] = TimestampTzGetDatum(rec.completed_at);
+		nulls[5] = !rec.has_completed_at;
+		values[6] = TimestampTzGetDatum(rec.expires_at);
+		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
+	}
+	return (Datum) 0;
+}

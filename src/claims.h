@@ -1,0 +1,65 @@
+/*-------------------------------------------------------------------------
+ *
+ * claims.h
+ *	  Claiming an idempotency key, storing its response, replaying it.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEM_CLAIMS_H
+#define IDEM_CLAIMS_H
+
+#include "postgres.h"
+
+#include "fmgr.h"
+#include "utils/jsonb.h"
+#include "utils/timestamp.h"
+
+#include "records.h"
+
+/* Longest scope and key, in bytes. */
+#define IDEM_MAX_SCOPE_LEN	255
+#define IDEM_MAX_KEY_LEN	255
+
+/*
+ * pg_locks shows a claim's lock as locktype 'advisory' with this objsubid,
+ * which no SQL-level advisory lock uses (those use 1 and 2).
+ */
+#define IDEM_LOCK_CLASS		0x1DE0
+
+/* GUCs */
+extern int	idem_wait_timeout;
+extern int	idem_default_ttl;
+extern int	idem_max_response_bytes;
+
+typedef enum ClaimOutcome
+{
+	CLAIM_CLAIMED,
+	CLAIM_REPLAY,
+	CLAIM_IN_PROGRESS,
+	CLAIM_MISMATCH
+} ClaimOutcome;
+
+/* What a claim found: the outcome and, for a replay, the stored record. */
+typedef struct ClaimAnswer
+{
+	ClaimOutcome outcome;
+	IdemRecord	record;			/* valid for CLAIM_REPLAY */
+	int32		retry_after;	/* seconds, for CLAIM_IN_PROGRESS */
+	int64		token;			/* for CLAIM_CLAIMED */
+	text	   *recovery_point; /* for CLAIM_CLAIMED */
+} ClaimAnswer;
+
+extern void ClaimsInit(void);
+
+extern text *claim_arg_text(FunctionCallInfo fcinfo, int argno, const char *name);
+extern void claim_check_scope_key(text *scope, text *key);
+extern TimestampTz claim_expiry(FunctionCallInfo fcinfo, int argno, TimestampTz now);
+extern void claim_check_response(int32 status, Jsonb *body, Jsonb *headers);
+
+extern void claim_key(text *scope, text *key, bytea *fingerprint,
+					  TimestampTz now, TimestampTz expires_at,
+					  ClaimAnswer *answer);
+extern void claim_succeed(text *scope, text *key, int32 status,
+						  Jsonb *body, Jsonb *headers);
+
+#endif							/* IDEM_CLAIMS_H */

@@ -1,0 +1,30 @@
+/*-------------------------------------------------------------------------
+ *
+ * idempotency.c
+ *	  Module entry point: retried operations that take effect once.
+ *
+ * Each subsystem defines its own GUCs and callbacks in its Init function;
+ * _PG_init only calls them in turn.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "fmgr.h"
+#include "utils/guc.h"
+
+#include "claims.h"
+#include "records.h"
+
+PG_MODULE_MAGIC;
+
+void		_PG_init(void);
+
+/* Load-time setup: GUCs, transaction callbacks, cache invalidation. */
+void
+_PG_init(void)
+{
+	ClaimsInit();
+	RecordsInit();
+	MarkGUCPrefixReserved("idempotency");
+}

@@ -1,0 +1,281 @@
+/*-------------------------------------------------------------------------
+ *
+ * records.c
+ *	  Direct heap and index access to idempotency.records.
+ *
+ * The claim path runs on every request, so it does not go through SPI or the
+ * planner: it scans the primary key with a snapshot the caller chooses and
+ * inserts with heap_insert plus index_insert, the way core code maintains its
+ * catalogs.  Direct access also means callers need no privilege on the table,
+ * which no role but the owner can read.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "access/genam.h"
+#include "access/heapam.h"
+#include "access/htup_details.h"
+#include "access/stratnum.h"
+#include "access/tableam.h"
+#include "access/xact.h"
+#include "catalog/index.h"
+#include "catalog/indexing.h"
+#include "catalog/namespace.h"
+#include "executor/executor.h"
+#include "nodes/execnodes.h"
+#include "utils/builtins.h"
+#include "utils/fmgroids.h"
+#include "utils/inval.h"
+#include "utils/lsyscache.h"
+
+#include "records.h"
+
+#define RECORDS_SCHEMA		"idempotency"
+#define RECORDS_TABLE		"records"
+#define RECORDS_PKEY		"records_pkey"
+
+/* Cached OIDs, reset by relcache invalidation (DROP/CREATE EXTENSION). */
+static Oid	records_relid = InvalidOid;
+static Oid	records_pkey_relid = InvalidOid;
+
+/* Forget the cached OIDs when the table may have been dropped or rebuilt. */
+static void
+records_relcache_callback(Datum arg, Oid relid)
+{
+	if (relid == InvalidOid || relid == records_relid ||
+		relid == records_pkey_relid)
+	{
+		records_relid = InvalidOid;
+		records_pkey_relid = InvalidOid;
+	}
+}
+
+/* Register the cache callback; called once from _PG_init. */
+void
+RecordsInit(void)
+{
+	CacheRegisterRelcacheCallback(records_relcache_callback, (Datum) 0);
+}
+
+/* Look the table and its primary key up by name, with a clear error if the extension is absent. */
+static void
+records_resolve(void)
+{
+	Oid			nspid = get_namespace_oid(RECORDS_SCHEMA, true);
+
+	if (OidIsValid(nspid))
+	{
+		records_relid = get_relname_relid(RECORDS_TABLE, nspid);
+		records_pkey_relid = get_relname_relid(RECORDS_PKEY, nspid);
+	}
+	if (!OidIsValid(records_relid) || !OidIsValid(records_pkey_relid))
+	{
+		records_relid = InvalidOid;
+		records_pkey_relid = InvalidOid;
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_TABLE),
+				 errmsg("extension \"idempotency\" is not installed in this database"),
+				 errhint("Run CREATE EXTENSION idempotency.")));
+	}
+}
+
+/* Open idempotency.records with the given lock mode. */
+Relation
+records_open(LOCKMODE lockmode)
+{
+	if (!OidIsValid(records_relid))
+		records_resolve();
+	return table_open(records_relid, lockmode);
+}
+
+/* Text column as a palloc'd copy, or NULL. */
+static inline text *
+copy_text(Datum value, bool isnull)
+{
+	return isnull ? NULL : DatumGetTextPCopy(value);
+}
+
+/* Fill rec from a heap tuple, copying every value out of the buffer. */
+static void
+record_from_tuple(Relation rel, HeapTuple tuple, IdemRecord *rec)
+{
+	Datum		values[Natts_records];
+	bool		nulls[Natts_records];
+	text	   *state;
+
+	heap_deform_tuple(tuple, RelationGetDescr(rel), values, nulls);
+
+	rec->tid = tuple->t_self;
+	state = DatumGetTextPP(values[Anum_records_state - 1]);
+	rec->completed = (VARSIZE_ANY_EXHDR(state) == strlen(RECORD_STATE_COMPLETED) &&
+					  memcmp(VARDATA_ANY(state), RECORD_STATE_COMPLETED,
+							 strlen(RECORD_STATE_COMPLETED)) == 0);
+	rec->fingerprint = DatumGetByteaPCopy(values[Anum_records_fingerprint - 1]);
+	rec->has_status = !nulls[Anum_records_status - 1];
+	rec->status = rec->has_status ? DatumGetInt32(values[Anum_records_status - 1]) : 0;
+	rec->headers = nulls[Anum_records_headers - 1] ? NULL :
+		DatumGetJsonbPCopy(values[Anum_records_headers - 1]);
+	rec->body = nulls[Anum_records_body - 1] ? NULL :
+		DatumGetJsonbPCopy(values[Anum_records_body - 1]);
+	rec->token = DatumGetInt64(values[Anum_records_token - 1]);
+	rec->recovery_point = copy_text(values[Anum_records_recovery_point - 1],
+									nulls[Anum_records_recovery_point - 1]);
+	rec->has_lease = !nulls[Anum_records_lease_expires_at - 1];
+	rec->lease_expires_at = rec->has_lease ?
+		DatumGetTimestampTz(values[Anum_records_lease_expires_at - 1]) : 0;
+	rec->created_at = DatumGetTimestampTz(values[Anum_records_created_at - 1]);
+	rec->has_completed_at = !nulls[Anum_records_completed_at - 1];
+	rec->completed_at = rec->has_completed_at ?
+		DatumGetTimestampTz(values[Anum_records_completed_at - 1]) : 0;
+	rec->expires_at = DatumGetTimestampTz(values[Anum_records_expires_at - 1]);
+}
+
+/*
+ * Find the record of (scope, key) visible to snapshot through the primary
+ * key.  Returns false if there is none.
+ */
+bool
+records_lookup(Relation rel, Snapshot snapshot, text *scope, text *key,
+			   IdemRecord *rec)
+{
+	ScanKeyData skey[2];
+	SysScanDesc scan;
+	HeapTuple	tuple;
+	bool		found = false;
+
+	/* The key columns are COLLATE "C", as are ScanKeyInit's scan keys. */
+	ScanKeyInit(&skey[0], Anum_records_scope, BTEqualStrategyNumber,
+				F_TEXTEQ, PointerGetDatum(scope));
+	ScanKeyInit(&skey[1], Anum_records_key, BTEqualStrategyNumber,
+				F_TEXTEQ, PointerGetDatum(key));
+
+	scan = systable_beginscan(rel, records_pkey_relid, true, snapshot, 2, skey);
+	tuple = systable_getnext(scan);
+	if (HeapTupleIsValid(tuple))
+	{
+		record_from_tuple(rel, tuple, rec);
+		found = true;
+	}
+	systable_endscan(scan);
+
+	return found;
+}
+
+/*
+ * Insert into every index of rel, as CatalogIndexInsert does.  Only plain
+ * column indexes can be maintained without an executor state, so an index a
+ * DBA added with expressions or a predicate is refused rather than corrupted.
+ */
+static void
+records_index_insert(Relation rel, HeapTuple tuple)
+{
+	CatalogIndexState indstate = CatalogOpenIndexes(rel);
+	TupleTableSlot *slot;
+	Datum		values[INDEX_MAX_KEYS];
+	bool		isnull[INDEX_MAX_KEYS];
+
+	slot = MakeSingleTupleTableSlot(RelationGetDescr(rel), &TTSOpsHeapTuple);
+	ExecStoreHeapTuple(tuple, slot, false);
+
+	for (int i = 0; i < indstate->ri_NumIndices; i++)
+	{
+		Relation	index = indstate->ri_IndexRelationDescs[i];
+		IndexInfo  *info = indstate->ri_IndexRelationInfo[i];
+
+		if (!info->ii_ReadyForInserts)
+			continue;
+		if (info->ii_Expressions != NIL || info->ii_Predicate != NIL ||
+			info->ii_ExclusionOps != NULL || !index->rd_index->indimmediate)
+			ereport(ERROR,
+					(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+					 errmsg("index \"%s\" on idempotency.records is not supported",
+							RelationGetRelationName(index)),
+					 errdetail("Only immediate indexes on plain columns can be maintained by the extension."),
+					 errhint("Drop the index.")));
+
+		FormIndexDatum(info, slot, NULL, values, isnull);
+		index_insert(index, values, isnull, &tuple->t_self, rel,
+					 index->rd_index->indisunique ? UNIQUE_CHECK_YES : UNIQUE_CHECK_NO,
+					 false, info);
+	}
+
+	ExecDropSingleTupleTableSlot(slot);
+	CatalogCloseIndexes(indstate);
+}
+
+/*
+ * Insert a record.  rel must be open with RowExclusiveLock; the caller holds
+ * the key's advisory lock, so the unique index sees no live rival, and it
+ * stays as the last line of defence.
+ */
+void
+records_insert(Relation rel, text *scope, text *key, const IdemRecord *rec)
+{
+	Datum		values[Natts_records];
+	bool		nulls[Natts_records];
+	HeapTuple	tuple;
+
+	memset(nulls, false, sizeof(nulls));
+	values[Anum_records_scope - 1] = PointerGetDatum(scope);
+	values[Anum_records_key - 1] = PointerGetDatum(key);
+	values[Anum_records_state - 1] = CStringGetTextDatum(rec->completed ?
+														 RECORD_STATE_COMPLETED :
+														 RECORD_STATE_PROCESSING);
+	values[Anum_records_fingerprint - 1] = PointerGetDatum(rec->fingerprint);
+	values[Anum_records_status - 1] = Int32GetDatum(rec->status);
+	nulls[Anum_records_status - 1] = !rec->has_status;
+	values[Anum_records_headers - 1] = PointerGetDatum(rec->headers);
+	nulls[Anum_records_headers - 1] = (rec->headers == NULL);
+	values[Anum_records_body - 1] = PointerGetDatum(rec->body);
+	nulls[Anum_records_body - 1] = (rec->body == NULL);
+	values[Anum_records_token - 1] = Int64GetDatum(rec->token);
+	values[Anum_records_recovery_point - 1] = PointerGetDatum(rec->recovery_point);
+	nulls[Anum_records_recovery_point - 1] = (rec->recovery_point == NULL);
+	values[Anum_records_lease_expires_at - 1] = TimestampTzGetDatum(rec->lease_expires_at);
+	nulls[Anum_records_lease_expires_at - 1] = !rec->has_lease;
+	values[Anum_records_created_at - 1] = TimestampTzGetDatum(rec->created_at);
+	values[Anum_records_completed_at - 1] = TimestampTzGetDatum(rec->completed_at);
+	nulls[Anum_records_completed_at - 1] = !rec->has_completed_at;
+	values[Anum_records_expires_at - 1] = TimestampTzGetDatum(rec->expires_at);
+
+	tuple = heap_form_tuple(RelationGetDescr(rel), values, nulls);
+	simple_heap_insert(rel, tuple);
+	records_index_insert(rel, tuple);
+	heap_freetuple(tuple);
+
+	/* Make the record visible to the rest of this transaction. */
+	CommandCounterIncrement();
+}
+
+/*
+ * Delete an expired record before its key is claimed again.  The cleanup
+ * worker may have deleted it first; that is as good as our own delete.
+ */
+void
+records_delete_expired(Relation rel, ItemPointer tid)
+{
+	TM_FailureData tmfd;
+	TM_Result	result;
+
+	result = table_tuple_delete(rel, tid, GetCurrentCommandId(true),
+								InvalidSnapshot, InvalidSnapshot,
+								true, &tmfd, false);
+	switch (result)
+	{
+		case TM_Ok:
+		case TM_Deleted:
+		case TM_SelfModified:
+			break;
+		case TM_Updated:
+			ereport(ERROR,
+					(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+					 errmsg("could not serialize access due to concurrent update of an idempotency record"),
+					 errhint("The transaction might succeed if retried.")));
+			break;
+		default:
+			elog(ERROR, "unexpected table_tuple_delete status: %u", result);
+			break;
+	}
+	CommandCounterIncrement();
+}

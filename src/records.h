@@ -1,0 +1,71 @@
+/*-------------------------------------------------------------------------
+ *
+ * records.h
+ *	  Access to idempotency.records, the table of operations and their
+ *	  stored responses.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEM_RECORDS_H
+#define IDEM_RECORDS_H
+
+#include "postgres.h"
+
+#include "storage/itemptr.h"
+#include "utils/jsonb.h"
+#include "utils/rel.h"
+#include "utils/snapshot.h"
+#include "utils/timestamp.h"
+
+/* Column numbers of idempotency.records, in the order the install script declares them. */
+#define Anum_records_scope				1
+#define Anum_records_key				2
+#define Anum_records_state				3
+#define Anum_records_fingerprint		4
+#define Anum_records_status				5
+#define Anum_records_headers			6
+#define Anum_records_body				7
+#define Anum_records_token				8
+#define Anum_records_recovery_point		9
+#define Anum_records_lease_expires_at	10
+#define Anum_records_created_at			11
+#define Anum_records_completed_at		12
+#define Anum_records_expires_at			13
+#define Natts_records					13
+
+/* Values of records.state. */
+#define RECORD_STATE_COMPLETED	"completed"
+#define RECORD_STATE_PROCESSING	"processing"
+
+/*
+ * One record as read from the table.  Pointers are palloc'd copies in the
+ * caller's memory context; absent values are NULL pointers or the has_* flags.
+ */
+typedef struct IdemRecord
+{
+	ItemPointerData tid;
+	bool		completed;		/* state = 'completed' (else 'processing') */
+	bytea	   *fingerprint;
+	bool		has_status;
+	int32		status;
+	Jsonb	   *headers;
+	Jsonb	   *body;
+	int64		token;
+	text	   *recovery_point;
+	bool		has_lease;
+	TimestampTz lease_expires_at;
+	TimestampTz created_at;
+	bool		has_completed_at;
+	TimestampTz completed_at;
+	TimestampTz expires_at;
+} IdemRecord;
+
+extern void RecordsInit(void);
+extern Relation records_open(LOCKMODE lockmode);
+extern bool records_lookup(Relation rel, Snapshot snapshot, text *scope,
+						   text *key, IdemRecord *rec);
+extern void records_insert(Relation rel, text *scope, text *key,
+						   const IdemRecord *rec);
+extern void records_delete_expired(Relation rel, ItemPointer tid);
+
+#endif							/* IDEM_RECORDS_H */

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Runs the whole idempotency test suite on throwaway clusters:
+#   pg_regress (sql/, expected/), pg_isolation_regress (specs/), TAP (t/).
+# Installs what it needs first (as root), builds and installs the extension,
+# runs the servers as the unprivileged user "postgres", and ends with a line
+#   N passed, N failed
+# Exit status 0 only when nothing failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+top=$(pwd)
+. scripts/deps.sh
+
+idem_install_deps || exit 1
+idem_pg_env
+idem_build_install || { echo "build failed"; echo "0 passed, 1 failed"; exit 1; }
+
+# A work directory the server's user can write; results are copied back.
+work=$(mktemp -d /tmp/idempotency-test.XXXXXX)
+cp -r sql expected specs t test "$work"/
+[ "$(id -u)" -eq 0 ] && chown -R postgres: "$work"
+mkdir -p "$top/test/results"
+log="$top/test/results/run.log"
+: >"$log"
+
+regress_tests=$(make -s -f Makefile print-REGRESS 2>/dev/null)
+isolation_tests=$(make -s -f Makefile print-ISOLATION 2>/dev/null)
+
+passed=0
+failed=0
+
+# Count pg_regress-style result lines ("test x ... ok" / "... FAILED").
+tally_regress() {
+	local out=$1
+	local ok bad
+	ok=$(grep -cE '^(test | +)[^ ].* \.\.\. ok' "$out")
+	bad=$(grep -cE '\.\.\. FAILED|\.\.\. failed' "$out")
+	passed=$((passed + ok))
+	failed=$((failed + bad))
+}
+
+section() { printf '\n== %s\n' "$1" | tee -a "$log"; }
+
+section "pg_regress"
+(cd "$work" && idem_as_pg "$PGXS_DIR/src/test/regress/pg_regress" \
+	--bindir="$PG_BINDIR" --inputdir=. --outputdir=regress \
+	--temp-instance=tmp_regress --temp-config=test/idempotency.conf \
+	--encoding=UTF8 --no-locale --load-extension=idempotency $regress_tests) 2>&1 | tee -a "$log" >"$work/regress.out"
+cat "$work/regress.out"
+tally_regress "$work/regress.out"
+[ -f "$work/regress/regression.diffs" ] && cp "$work/regress/regression.diffs" "$top/test/results/regression.diffs"
+
+section "pg_isolation_regress"
+(cd "$work" && idem_as_pg "$PGXS_DIR/src/test/isolation/pg_isolation_regress" \
+	--bindir="$PG_BINDIR" --inputdir=. --outputdir=isolation \
+	--temp-instance=tmp_isolation --temp-config=test/idempotency.conf \
+	--encoding=UTF8 --no-locale --load-extension=idempotency $isolation_tests) 2>&1 | tee -a "$log" >"$work/isolation.out"
+cat "$work/isolation.out"
+tally_regress "$work/isolation.out"
+[ -f "$work/isolation/regression.diffs" ] && cp "$work/isolation/regression.diffs" "$top/test/results/isolation.diffs"
+
+if ls t/*.pl >/dev/null 2>&1; then
+	section "TAP"
+	(cd "$work" && idem_as_pg env PATH="$PG_BINDIR:$PATH" TESTDIR="$work" \
+		PG_REGRESS="$PGXS_DIR/src/test/regress/pg_regress" \
+		prove -I "$PGXS_DIR/src/test/perl" -I . t/*.pl) 2>&1 | tee -a "$log" >"$work/tap.out"
+	cat "$work/tap.out"
+	ok=$(grep -cE '^t/.* ok$' "$work/tap.out")
+	bad=$(grep -cE '^t/.* (Dubious|Failed|not ok)' "$work/tap.out")
+	passed=$((passed + ok))
+	failed=$((failed + bad))
+	rm -rf "$top/test/results/tap-logs"; [ -d "$work/tmp_check/log" ] && cp -r "$work/tmp_check/log" "$top/test/results/tap-logs"
+fi
+
+expected_count=$(( $(echo $regress_tests | wc -w) + $(echo $isolation_tests | wc -w) + $(ls t/*.pl 2>/dev/null | wc -l) ))
+if [ $((passed + failed)) -lt "$expected_count" ]; then
+	echo "only $((passed + failed)) of $expected_count tests reported a result" | tee -a "$log"
+	failed=$((failed + expected_count - passed - failed))
+fi
+
+rm -rf "$work"
+echo
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]

@@ -239,7 +239,7 @@ ClaimsInit(void)
 }
 
 /* A text argument that must not be NULL. */
-text *
+static text *
 claim_arg_text(FunctionCallInfo fcinfo, int argno, const char *name)
 {
 	if (PG_ARGISNULL(argno))
@@ -250,7 +250,7 @@ claim_arg_text(FunctionCallInfo fcinfo, int argno, const char *name)
 }
 
 /* Validate scope and key: non-empty, bounded, the key printable ASCII. */
-void
+static void
 claim_check_scope_key(text *scope, text *key)
 {
 	int			scope_len = VARSIZE_ANY_EXHDR(scope);
@@ -284,6 +284,26 @@ claim_check_scope_key(text *scope, text *key)
 					 errmsg("idempotency key must be printable ASCII"),
 					 errdetail("Byte %d of the key is 0x%02x; only 0x20 to 0x7E are allowed.",
 							   i + 1, k[i])));
+}
+
+/* Arguments 0 and 1 of every SQL function here: scope and key, validated. */
+void
+claim_scope_key_args(FunctionCallInfo fcinfo, text **scope, text **key)
+{
+	*scope = claim_arg_text(fcinfo, 0, "scope");
+	*key = claim_arg_text(fcinfo, 1, "key");
+	claim_check_scope_key(*scope, *key);
+}
+
+/* Argument 2, the request, must not be NULL. */
+void
+claim_check_request(FunctionCallInfo fcinfo)
+{
+	if (PG_ARGISNULL(2))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("request must not be null"),
+				 errhint("Pass '{}' for a request without a body.")));
 }
 
 /* Expiry time from the ttl argument (or the default_ttl GUC when it is NULL); must lie in the future. */
@@ -667,25 +687,14 @@ claim_with_fingerprint(FunctionCallInfo fcinfo, text *scope, text *key,
 	return claim_result_datum(fcinfo, &answer);
 }
 
-/* The request argument, which must not be NULL. */
-static void
-claim_check_request(FunctionCallInfo fcinfo)
-{
-	if (PG_ARGISNULL(2))
-		ereport(ERROR,
-				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-				 errmsg("request must not be null"),
-				 errhint("Pass '{}' for a request without a body.")));
-}
-
 /* idem_claim(scope, key, request jsonb, ttl): claim with the request's SHA-256 fingerprint. */
 Datum
 idem_claim_jsonb(PG_FUNCTION_ARGS)
 {
-	text	   *scope = claim_arg_text(fcinfo, 0, "scope");
-	text	   *key = claim_arg_text(fcinfo, 1, "key");
+	text	   *scope;
+	text	   *key;
 
-	claim_check_scope_key(scope, key);
+	claim_scope_key_args(fcinfo, &scope, &key);
 	claim_check_request(fcinfo);
 	PG_RETURN_DATUM(claim_with_fingerprint(fcinfo, scope, key,
 										   idem_fingerprint_jsonb(PG_GETARG_JSONB_P(2)),
@@ -700,11 +709,11 @@ idem_claim_jsonb(PG_FUNCTION_ARGS)
 Datum
 idem_claim_text(PG_FUNCTION_ARGS)
 {
-	text	   *scope = claim_arg_text(fcinfo, 0, "scope");
-	text	   *key = claim_arg_text(fcinfo, 1, "key");
+	text	   *scope;
+	text	   *key;
 	Jsonb	   *request;
 
-	claim_check_scope_key(scope, key);
+	claim_scope_key_args(fcinfo, &scope, &key);
 	claim_check_request(fcinfo);
 	request = DatumGetJsonbP(DirectFunctionCall1(jsonb_in,
 												 CStringGetDatum(text_to_cstring(PG_GETARG_TEXT_PP(2)))));
@@ -717,11 +726,11 @@ idem_claim_text(PG_FUNCTION_ARGS)
 Datum
 idem_claim_bytea(PG_FUNCTION_ARGS)
 {
-	text	   *scope = claim_arg_text(fcinfo, 0, "scope");
-	text	   *key = claim_arg_text(fcinfo, 1, "key");
+	text	   *scope;
+	text	   *key;
 	bytea	   *fingerprint;
 
-	claim_check_scope_key(scope, key);
+	claim_scope_key_args(fcinfo, &scope, &key);
 	if (PG_ARGISNULL(2))
 		ereport(ERROR,
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
@@ -741,10 +750,10 @@ idem_claim_bytea(PG_FUNCTION_ARGS)
 Datum
 idem_succeed(PG_FUNCTION_ARGS)
 {
-	text	   *scope = claim_arg_text(fcinfo, 0, "scope");
-	text	   *key = claim_arg_text(fcinfo, 1, "key");
+	text	   *scope;
+	text	   *key;
 
-	claim_check_scope_key(scope, key);
+	claim_scope_key_args(fcinfo, &scope, &key);
 	if (PG_ARGISNULL(2))
 		ereport(ERROR,
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
@@ -763,10 +772,10 @@ idem_succeed(PG_FUNCTION_ARGS)
 Datum
 idem_release(PG_FUNCTION_ARGS)
 {
-	text	   *scope = claim_arg_text(fcinfo, 0, "scope");
-	text	   *key = claim_arg_text(fcinfo, 1, "key");
+	text	   *scope;
+	text	   *key;
 
-	claim_check_scope_key(scope, key);
+	claim_scope_key_args(fcinfo, &scope, &key);
 	claim_log_append(claim_held(scope, key, "idem_release"), CLAIM_RELEASED);
 	PG_RETURN_VOID();
 }
@@ -776,13 +785,13 @@ Datum
 idem_replay(PG_FUNCTION_ARGS)
 {
 	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
-	text	   *scope = claim_arg_text(fcinfo, 0, "scope");
-	text	   *key = claim_arg_text(fcinfo, 1, "key");
+	text	   *scope;
+	text	   *key;
 	Relation	rel;
 	IdemRecord	rec;
 	bool		found;
 
-	claim_check_scope_key(scope, key);
+	claim_scope_key_args(fcinfo, &scope, &key);
 	InitMaterializedSRF(fcinfo, 0);
 
 	rel = records_open(AccessShareLock);

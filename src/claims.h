@@ -51,8 +51,8 @@ typedef struct ClaimAnswer
 
 extern void ClaimsInit(void);
 
-extern text *claim_arg_text(FunctionCallInfo fcinfo, int argno, const char *name);
-extern void claim_check_scope_key(text *scope, text *key);
+extern void claim_scope_key_args(FunctionCallInfo fcinfo, text **scope, text **key);
+extern void claim_check_request(FunctionCallInfo fcinfo);
 extern TimestampTz claim_expiry(FunctionCallInfo fcinfo, int argno, TimestampTz now);
 extern void claim_check_response(int32 status, Jsonb *body, Jsonb *headers);
 

@@ -180,8 +180,8 @@ PG_FUNCTION_INFO_V1(idem_execute);
 Datum
 idem_execute(PG_FUNCTION_ARGS)
 {
-	text	   *scope = claim_arg_text(fcinfo, 0, "scope");
-	text	   *key = claim_arg_text(fcinfo, 1, "key");
+	text	   *scope;
+	text	   *key;
 	TimestampTz now = GetCurrentTimestamp();
 	TimestampTz expires_at;
 	Jsonb	   *request;
@@ -196,12 +196,8 @@ idem_execute(PG_FUNCTION_ARGS)
 	Datum		values[4];
 	bool		nulls[4];
 
-	claim_check_scope_key(scope, key);
-	if (PG_ARGISNULL(2))
-		ereport(ERROR,
-				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-				 errmsg("request must not be null"),
-				 errhint("Pass '{}' for a request without a body.")));
+	claim_scope_key_args(fcinfo, &scope, &key);
+	claim_check_request(fcinfo);
 	if (PG_ARGISNULL(3))
 		ereport(ERROR,
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),

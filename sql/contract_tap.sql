@@ -8,18 +8,30 @@ RESET client_min_messages;
 \pset format unaligned
 \pset tuples_only true
 
-SELECT plan(40);
+SELECT plan(50);
 
 -- The functions, callable unqualified with the default search_path.
-SELECT has_function('idem_claim', ARRAY['text', 'text', 'jsonb', 'interval']);
-SELECT has_function('idem_claim', ARRAY['text', 'text', 'text', 'interval']);
-SELECT has_function('idem_claim', ARRAY['text', 'text', 'bytea', 'interval']);
-SELECT has_function('idem_succeed', ARRAY['text', 'text', 'integer', 'jsonb', 'jsonb']);
+SELECT has_function('idem_claim', ARRAY['text', 'text', 'jsonb', 'interval', 'interval']);
+SELECT has_function('idem_claim', ARRAY['text', 'text', 'text', 'interval', 'interval']);
+SELECT has_function('idem_claim', ARRAY['text', 'text', 'bytea', 'interval', 'interval']);
+SELECT has_function('idem_succeed', ARRAY['text', 'text', 'integer', 'jsonb', 'jsonb', 'bigint']);
 SELECT has_function('idem_release', ARRAY['text', 'text']);
 SELECT has_function('idem_replay', ARRAY['text', 'text']);
 SELECT has_function('idem_execute', ARRAY['text', 'text', 'jsonb', 'regprocedure', 'interval']);
 SELECT has_function('idem_fingerprint', ARRAY['jsonb']);
 SELECT has_function('idem_canonical', ARRAY['jsonb']);
+-- Multi-phase operations (1.1).
+SELECT has_function('idem_release', ARRAY['text', 'text', 'bigint']);
+SELECT has_function('idem_checkpoint', ARRAY['text', 'text', 'bigint', 'text']);
+SELECT has_function('idem_extend', ARRAY['text', 'text', 'bigint', 'interval']);
+SELECT has_function('idem_downstream_key', ARRAY['text', 'text', 'text']);
+SELECT has_function('idem_resolve_complete', ARRAY['text', 'text', 'integer', 'jsonb', 'jsonb', 'text']);
+SELECT has_function('idem_resolve_release', ARRAY['text', 'text', 'text']);
+SELECT has_view('idem_stuck');
+SELECT function_privs_are('idem_resolve_release', ARRAY['text', 'text', 'text'], 'public', ARRAY[]::text[],
+	'operators only: PUBLIC may not resolve operations');
+SELECT table_privs_are('idem_stuck', 'public', ARRAY[]::text[], 'operators only: PUBLIC may not list stuck operations');
+SELECT volatility_is('idem_downstream_key', ARRAY['text', 'text', 'text'], 'immutable');
 
 -- Result shapes.
 SELECT columns_are('idem_claim_result',
@@ -28,19 +40,19 @@ SELECT col_type_is('idem_claim_result', 'retry_after', 'integer');
 SELECT col_type_is('idem_claim_result', 'token', 'bigint');
 SELECT columns_are('idem_response', ARRAY['status', 'headers', 'body']);
 SELECT columns_are('idem_execute_result', ARRAY['status', 'headers', 'body', 'replayed']);
-SELECT function_returns('idem_claim', ARRAY['text', 'text', 'jsonb', 'interval'], 'idem_claim_result');
+SELECT function_returns('idem_claim', ARRAY['text', 'text', 'jsonb', 'interval', 'interval'], 'idem_claim_result');
 SELECT function_returns('idem_execute', ARRAY['text', 'text', 'jsonb', 'regprocedure', 'interval'], 'idem_execute_result');
 SELECT function_returns('idem_fingerprint', ARRAY['jsonb'], 'bytea');
 
 -- Properties: nothing runs with elevated privileges; writers are volatile;
 -- the claim functions are not strict, so a NULL is an error, not a NULL row.
-SELECT isnt_definer('idem_claim', ARRAY['text', 'text', 'jsonb', 'interval']);
+SELECT isnt_definer('idem_claim', ARRAY['text', 'text', 'jsonb', 'interval', 'interval']);
 SELECT isnt_definer('idem_execute', ARRAY['text', 'text', 'jsonb', 'regprocedure', 'interval']);
-SELECT volatility_is('idem_claim', ARRAY['text', 'text', 'jsonb', 'interval'], 'volatile');
+SELECT volatility_is('idem_claim', ARRAY['text', 'text', 'jsonb', 'interval', 'interval'], 'volatile');
 SELECT volatility_is('idem_replay', ARRAY['text', 'text'], 'stable');
 SELECT volatility_is('idem_fingerprint', ARRAY['jsonb'], 'immutable');
-SELECT isnt_strict('idem_claim', ARRAY['text', 'text', 'jsonb', 'interval']);
-SELECT isnt_strict('idem_succeed', ARRAY['text', 'text', 'integer', 'jsonb', 'jsonb']);
+SELECT isnt_strict('idem_claim', ARRAY['text', 'text', 'jsonb', 'interval', 'interval']);
+SELECT isnt_strict('idem_succeed', ARRAY['text', 'text', 'integer', 'jsonb', 'jsonb', 'bigint']);
 
 -- Storage: scope leads the primary key, so it can be a distribution key.
 SELECT col_is_pk('idempotency'::name, 'records'::name, ARRAY['scope', 'key']::name[], 'scope leads the primary key');

@@ -45,6 +45,7 @@
 int			idem_wait_timeout = 5000;
 int			idem_default_ttl = 86400;
 int			idem_max_response_bytes = 1024 * 1024;
+int			idem_stuck_after = 300;
 
 typedef enum ClaimState
 {
@@ -234,6 +235,14 @@ ClaimsInit(void)
 							PGC_SUSET, GUC_UNIT_BYTE,
 							NULL, NULL, NULL);
 
+	DefineCustomIntVariable("idempotency.stuck_after",
+							"How long after its lease expired an untaken multi-phase operation is listed in idem_stuck.",
+							NULL,
+							&idem_stuck_after,
+							300, 0, INT_MAX,
+							PGC_USERSET, GUC_UNIT_S,
+							NULL, NULL, NULL);
+
 	RegisterXactCallback(claims_xact_callback, NULL);
 	RegisterSubXactCallback(claims_subxact_callback, NULL);
 }
@@ -306,26 +315,40 @@ claim_check_request(FunctionCallInfo fcinfo)
 				 errhint("Pass '{}' for a request without a body.")));
 }
 
-/* Expiry time from the ttl argument (or the default_ttl GUC when it is NULL); must lie in the future. */
+/*
+ * now + the interval argument argno, which must be positive.  Returns 0 when
+ * the argument is NULL or absent (an older SQL declaration without it).
+ */
+TimestampTz
+claim_interval_end(FunctionCallInfo fcinfo, int argno, TimestampTz now,
+				   const char *name)
+{
+	TimestampTz end;
+
+	if (PG_NARGS() <= argno || PG_ARGISNULL(argno))
+		return 0;
+
+	end = DatumGetTimestampTz(DirectFunctionCall2(timestamptz_pl_interval,
+												  TimestampTzGetDatum(now),
+												  PG_GETARG_DATUM(argno)));
+	if (end <= now)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s must be positive", name),
+				 errdetail("The %s given was %s.", name,
+						   DatumGetCString(DirectFunctionCall1(interval_out,
+															   PG_GETARG_DATUM(argno))))));
+	return end;
+}
+
+/* Expiry time from the ttl argument, or from idempotency.default_ttl when it is NULL. */
 TimestampTz
 claim_expiry(FunctionCallInfo fcinfo, int argno, TimestampTz now)
 {
-	TimestampTz expires_at;
+	TimestampTz expires_at = claim_interval_end(fcinfo, argno, now, "ttl");
 
-	if (PG_NARGS() <= argno || PG_ARGISNULL(argno))
-		return now + (int64) idem_default_ttl * USECS_PER_SEC;
-
-	expires_at = DatumGetTimestampTz(DirectFunctionCall2(timestamptz_pl_interval,
-														 TimestampTzGetDatum(now),
-														 PG_GETARG_DATUM(argno)));
-	if (expires_at <= now)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("ttl must be positive"),
-				 errdetail("The ttl given was %s.",
-						   DatumGetCString(DirectFunctionCall1(interval_out,
-															   PG_GETARG_DATUM(argno))))));
-	return expires_at;
+	return expires_at != 0 ? expires_at :
+		now + (int64) idem_default_ttl * USECS_PER_SEC;
 }
 
 /* Validate a response before it is stored: status range, headers an object, size cap. */
@@ -356,7 +379,7 @@ claim_check_response(int32 status, Jsonb *body, Jsonb *headers)
 }
 
 /* The advisory lock tag of (scope, key) in this database. */
-static void
+void
 claim_locktag(LOCKTAG *tag, text *scope, text *key)
 {
 	uint64		h;
@@ -440,6 +463,28 @@ claim_lock_acquire(const LOCKTAG *tag, bool *already_held, ResourceOwner *owner)
 	return claim_lock_wait(tag);
 }
 
+/*
+ * Hold the key's lock until the end of the transaction, as every writer of a
+ * record does; waits up to idempotency.wait_timeout, then fails with 55P03.
+ */
+void
+claim_lock_hold(text *scope, text *key, const char *caller)
+{
+	LOCKTAG		tag;
+	bool		already_held;
+	ResourceOwner owner;
+
+	PreventCommandIfReadOnly(psprintf("%s()", caller));
+	claim_locktag(&tag, scope, key);
+	if (!claim_lock_acquire(&tag, &already_held, &owner))
+		ereport(ERROR,
+				(errcode(ERRCODE_LOCK_NOT_AVAILABLE),
+				 errmsg("%s: idempotency key \"%s\" in scope \"%s\" is busy",
+						caller, text_to_cstring(key), text_to_cstring(scope)),
+				 errdetail("Another transaction held the key for longer than idempotency.wait_timeout."),
+				 errhint("Retry later.")));
+}
+
 /* Release a lock this claim took, under the resource owner that holds it. */
 static void
 claim_lock_release(const LOCKTAG *tag, ResourceOwner owner)
@@ -451,7 +496,32 @@ claim_lock_release(const LOCKTAG *tag, ResourceOwner owner)
 	CurrentResourceOwner = saved_owner;
 }
 
-/* Answer a claim from a live record: replay, mismatch, or in progress. */
+/* What an existing record means for a new claim of its key. */
+typedef enum RecordStanding
+{
+	RECORD_GONE,				/* expired: the key behaves as new */
+	RECORD_ANSWERS,				/* replay, mismatch or in progress */
+	RECORD_TAKEOVER				/* processing, lease expired: claim it over */
+} RecordStanding;
+
+/*
+ * Classify a record.  A completed record lives until expires_at; a
+ * 'processing' one (multi-phase) does not expire while unfinished: its lease
+ * alone says whether its owner is still at work.
+ */
+static RecordStanding
+record_standing(const IdemRecord *rec, bytea *fingerprint, TimestampTz now)
+{
+	if (rec->completed)
+		return rec->expires_at > now ? RECORD_ANSWERS : RECORD_GONE;
+	if (!varlena_equal(rec->fingerprint, fingerprint))
+		return RECORD_ANSWERS;
+	if (rec->has_lease && rec->lease_expires_at > now)
+		return RECORD_ANSWERS;
+	return RECORD_TAKEOVER;
+}
+
+/* Answer a claim from a record that answers it: replay, mismatch, or in progress. */
 static void
 answer_from_record(IdemRecord *rec, bytea *fingerprint, TimestampTz now,
 				   ClaimAnswer *answer)
@@ -466,20 +536,74 @@ answer_from_record(IdemRecord *rec, bytea *fingerprint, TimestampTz now,
 	else
 	{
 		answer->outcome = CLAIM_IN_PROGRESS;
-		answer->retry_after = 1;
-		if (rec->has_lease && rec->lease_expires_at > now)
-			answer->retry_after = Max(1, (int32) ceil((rec->lease_expires_at - now) /
-													 (double) USECS_PER_SEC));
+		answer->retry_after = Max(1, (int32) ceil((rec->lease_expires_at - now) /
+												 (double) USECS_PER_SEC));
 	}
 }
 
+/* Take over a multi-phase operation whose lease expired: the next token, a new lease. */
+static void
+claim_takeover(text *scope, text *key, IdemRecord *rec, TimestampTz now,
+			   TimestampTz lease_expires_at, ClaimAnswer *answer)
+{
+	Relation	rel;
+
+	if (lease_expires_at == 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idempotency key \"%s\" in scope \"%s\" belongs to a multi-phase operation",
+						text_to_cstring(key), text_to_cstring(scope)),
+				 errdetail("Its owner's lease expired; only a claim with a lease can take it over."),
+				 errhint("Pass a lease to idem_claim().")));
+
+	rec->token++;
+	rec->has_lease = true;
+	rec->lease_expires_at = lease_expires_at;
+	rec->claimed_at = now;
+	rel = records_open(RowExclusiveLock);
+	records_update(rel, scope, key, rec);
+	table_close(rel, RowExclusiveLock);
+
+	answer->outcome = CLAIM_CLAIMED;
+	answer->token = rec->token;
+	answer->recovery_point = rec->recovery_point;
+}
+
+/* Start a multi-phase operation: its 'processing' record commits with this transaction. */
+static void
+claim_multi_phase(text *scope, text *key, bytea *fingerprint, TimestampTz now,
+				  TimestampTz expires_at, TimestampTz lease_expires_at,
+				  ClaimAnswer *answer)
+{
+	IdemRecord	rec;
+	Relation	rel;
+
+	memset(&rec, 0, sizeof(rec));
+	rec.completed = false;
+	rec.fingerprint = fingerprint;
+	rec.token = 1;
+	rec.has_lease = true;
+	rec.lease_expires_at = lease_expires_at;
+	rec.created_at = now;
+	rec.claimed_at = now;
+	rec.expires_at = expires_at;
+	rel = records_open(RowExclusiveLock);
+	records_insert(rel, scope, key, &rec);
+	table_close(rel, RowExclusiveLock);
+
+	answer->outcome = CLAIM_CLAIMED;
+	answer->token = 1;
+}
+
 /*
- * Claim (scope, key) for this transaction, or say why not.  See the file
- * header for the protocol.
+ * Claim (scope, key), or say why not.  See the file header for the
+ * protocol.  lease_expires_at is 0 for a claim that completes in this
+ * transaction, else the end of a multi-phase claim's lease.
  */
 void
 claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
-		  TimestampTz expires_at, ClaimAnswer *answer)
+		  TimestampTz expires_at, TimestampTz lease_expires_at,
+		  ClaimAnswer *answer)
 {
 	Relation	rel;
 	IdemRecord	rec;
@@ -487,20 +611,25 @@ claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 	bool		already_held;
 	ResourceOwner lock_owner;
 	bool		found;
-	Snapshot	snapshot;
+	ItemPointerData seen_tid;
+	RecordStanding standing;
 	ClaimEntry *mine;
 	ClaimEntry	entry;
 
 	memset(answer, 0, sizeof(*answer));
 	rel = records_open(AccessShareLock);
 
-	/* A live record visible to this statement: answer without a lock or a write. */
-	if (records_lookup(rel, GetActiveSnapshot(), scope, key, &rec) &&
-		rec.expires_at > now)
+	/* A record visible to this statement that answers: no lock, no write. */
+	ItemPointerSetInvalid(&seen_tid);
+	if (records_lookup(rel, GetActiveSnapshot(), scope, key, &rec))
 	{
-		answer_from_record(&rec, fingerprint, now, answer);
-		table_close(rel, AccessShareLock);
-		return;
+		if (record_standing(&rec, fingerprint, now) == RECORD_ANSWERS)
+		{
+			answer_from_record(&rec, fingerprint, now, answer);
+			table_close(rel, AccessShareLock);
+			return;
+		}
+		seen_tid = rec.tid;
 	}
 
 	mine = claim_log_find(scope, key);
@@ -522,26 +651,41 @@ claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 		return;
 	}
 
-	/* Look again: a winner that committed before we got the lock is visible now. */
-	snapshot = RegisterSnapshot(GetLatestSnapshot());
-	found = records_lookup(rel, snapshot, scope, key, &rec);
-	UnregisterSnapshot(snapshot);
+	/*
+	 * Look again: a winner that committed before we got the lock is visible
+	 * now.  Every writer of a record holds its key's lock, so with the lock in
+	 * hand no change is in flight and SnapshotSelf (committed rows, and ours)
+	 * shows the latest state without the cost of a new MVCC snapshot.
+	 */
+	found = records_lookup(rel, SnapshotSelf, scope, key, &rec);
 	table_close(rel, AccessShareLock);
+	standing = found ? record_standing(&rec, fingerprint, now) : RECORD_GONE;
 
-	if (found && rec.expires_at > now)
+	/*
+	 * A version this transaction's snapshot cannot see must not decide the
+	 * outcome under REPEATABLE READ or SERIALIZABLE.  Our own record (completed
+	 * earlier in this statement) is no conflict.
+	 */
+	if (standing != RECORD_GONE && IsolationUsesXactSnapshot() && mine == NULL &&
+		!ItemPointerEquals(&seen_tid, &rec.tid))
+		ereport(ERROR,
+				(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+				 errmsg("could not serialize access due to a concurrent claim of idempotency key \"%s\" in scope \"%s\"",
+						text_to_cstring(key), text_to_cstring(scope)),
+				 errdetail("Another transaction changed the key's record after this transaction's snapshot was taken."),
+				 errhint("The transaction might succeed if retried.")));
+
+	if (standing == RECORD_ANSWERS)
 	{
-		/* Our own record (completed earlier in this statement) is no conflict. */
-		if (IsolationUsesXactSnapshot() && mine == NULL)
-			ereport(ERROR,
-					(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
-					 errmsg("could not serialize access due to a concurrent claim of idempotency key \"%s\" in scope \"%s\"",
-							text_to_cstring(key), text_to_cstring(scope)),
-					 errdetail("Another transaction completed the key after this transaction's snapshot was taken."),
-					 errhint("The transaction might succeed if retried.")));
 		answer_from_record(&rec, fingerprint, now, answer);
-		/* Replaying needs no lock: let the next duplicate in at once. */
+		/* Answering needs no lock: let the next duplicate in at once. */
 		if (!already_held)
 			claim_lock_release(&tag, lock_owner);
+		return;
+	}
+	if (standing == RECORD_TAKEOVER)
+	{
+		claim_takeover(scope, key, &rec, now, lease_expires_at, answer);
 		return;
 	}
 
@@ -551,6 +695,13 @@ claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 		rel = records_open(RowExclusiveLock);
 		records_delete_expired(rel, &rec.tid);
 		table_close(rel, RowExclusiveLock);
+	}
+
+	if (lease_expires_at != 0)
+	{
+		claim_multi_phase(scope, key, fingerprint, now, expires_at,
+						  lease_expires_at, answer);
+		return;
 	}
 
 	entry.scope = scope;
@@ -563,7 +714,6 @@ claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 
 	answer->outcome = CLAIM_CLAIMED;
 	answer->token = 1;
-	answer->recovery_point = NULL;
 }
 
 /* The claim of (scope, key) this transaction holds; an error if it holds none. */
@@ -606,6 +756,7 @@ claim_succeed(text *scope, text *key, int32 status, Jsonb *body, Jsonb *headers)
 	rec.has_completed_at = true;
 	rec.completed_at = GetCurrentTimestamp();
 	rec.expires_at = e->expires_at;
+	rec.claimed_at = e->created_at;
 
 	rel = records_open(RowExclusiveLock);
 	records_insert(rel, scope, key, &rec);
@@ -675,15 +826,16 @@ PG_FUNCTION_INFO_V1(idem_succeed);
 PG_FUNCTION_INFO_V1(idem_release);
 PG_FUNCTION_INFO_V1(idem_replay);
 
-/* Validated (scope, key) and ttl, then the claim and its result row. */
+/* Validated (scope, key), ttl and lease, then the claim and its result row. */
 static Datum
 claim_with_fingerprint(FunctionCallInfo fcinfo, text *scope, text *key,
 					   bytea *fingerprint, TimestampTz now)
 {
 	TimestampTz expires_at = claim_expiry(fcinfo, 3, now);
+	TimestampTz lease_expires_at = claim_interval_end(fcinfo, 4, now, "lease");
 	ClaimAnswer answer;
 
-	claim_key(scope, key, fingerprint, now, expires_at, &answer);
+	claim_key(scope, key, fingerprint, now, expires_at, lease_expires_at, &answer);
 	return claim_result_datum(fcinfo, &answer);
 }
 
@@ -746,7 +898,10 @@ idem_claim_bytea(PG_FUNCTION_ARGS)
 										   GetCurrentTimestamp()));
 }
 
-/* idem_succeed(scope, key, status, body, headers): store the response of our claim. */
+/*
+ * idem_succeed(scope, key, status, body, headers, token): store the response
+ * of our claim, or with a token, complete a multi-phase operation.
+ */
 Datum
 idem_succeed(PG_FUNCTION_ARGS)
 {
@@ -758,9 +913,12 @@ idem_succeed(PG_FUNCTION_ARGS)
 		ereport(ERROR,
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 				 errmsg("status must not be null")));
-	claim_succeed(scope, key, PG_GETARG_INT32(2),
-				  PG_ARGISNULL(3) ? NULL : PG_GETARG_JSONB_P(3),
-				  PG_ARGISNULL(4) ? NULL : PG_GETARG_JSONB_P(4));
+	if (PG_NARGS() > 5 && !PG_ARGISNULL(5))
+		phase_succeed(fcinfo, scope, key);
+	else
+		claim_succeed(scope, key, PG_GETARG_INT32(2),
+					  PG_ARGISNULL(3) ? NULL : PG_GETARG_JSONB_P(3),
+					  PG_ARGISNULL(4) ? NULL : PG_GETARG_JSONB_P(4));
 	PG_RETURN_VOID();
 }
 

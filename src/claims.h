@@ -11,6 +11,7 @@
 #include "postgres.h"
 
 #include "fmgr.h"
+#include "storage/lock.h"
 #include "utils/jsonb.h"
 #include "utils/timestamp.h"
 
@@ -26,10 +27,14 @@
  */
 #define IDEM_LOCK_CLASS		0x1DE0
 
+/* A token-carrying call whose token is no longer current (class IK: idempotency key). */
+#define ERRCODE_IDEM_FENCED	MAKE_SQLSTATE('I','K','0','0','1')
+
 /* GUCs */
 extern int	idem_wait_timeout;
 extern int	idem_default_ttl;
 extern int	idem_max_response_bytes;
+extern int	idem_stuck_after;
 
 typedef enum ClaimOutcome
 {
@@ -53,12 +58,19 @@ extern void ClaimsInit(void);
 
 extern void claim_scope_key_args(FunctionCallInfo fcinfo, text **scope, text **key);
 extern void claim_check_request(FunctionCallInfo fcinfo);
+extern TimestampTz claim_interval_end(FunctionCallInfo fcinfo, int argno,
+									  TimestampTz now, const char *name);
 extern TimestampTz claim_expiry(FunctionCallInfo fcinfo, int argno, TimestampTz now);
 extern void claim_check_response(int32 status, Jsonb *body, Jsonb *headers);
 
 extern void claim_key(text *scope, text *key, bytea *fingerprint,
 					  TimestampTz now, TimestampTz expires_at,
-					  ClaimAnswer *answer);
+					  TimestampTz lease_expires_at, ClaimAnswer *answer);
+extern void claim_locktag(LOCKTAG *tag, text *scope, text *key);
+extern void claim_lock_hold(text *scope, text *key, const char *caller);
+
+/* phases.c */
+extern void phase_succeed(FunctionCallInfo fcinfo, text *scope, text *key);
 extern void claim_succeed(text *scope, text *key, int32 status,
 						  Jsonb *body, Jsonb *headers);
 

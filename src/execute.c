@@ -211,7 +211,7 @@ idem_execute(PG_FUNCTION_ARGS)
 	if (aclresult != ACLCHECK_OK)
 		aclcheck_error(aclresult, OBJECT_FUNCTION, get_func_name(handler));
 
-	claim_key(scope, key, idem_fingerprint_jsonb(request), now, expires_at, &answer);
+	claim_key(scope, key, idem_fingerprint_jsonb(request), now, expires_at, 0, &answer);
 	switch (answer.outcome)
 	{
 		case CLAIM_CLAIMED:

@@ -9,6 +9,12 @@
  * catalogs.  Direct access also means callers need no privilege on the table,
  * which no role but the owner can read.
  *
+ * The invariant the callers rely on: every writer of a record (a claim that
+ * stores or replaces it, a multi-phase call, an operator's resolution, the
+ * cleanup worker) holds the key's advisory lock until its transaction ends.
+ * With that lock in hand, no change to the record can be in flight, so a
+ * lookup with SnapshotSelf sees its latest committed state.
+ *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
@@ -23,6 +29,7 @@
 #include "catalog/indexing.h"
 #include "catalog/namespace.h"
 #include "executor/executor.h"
+#include "miscadmin.h"
 #include "nodes/execnodes.h"
 #include "utils/builtins.h"
 #include "utils/fmgroids.h"
@@ -34,6 +41,19 @@
 #define RECORDS_SCHEMA		"idempotency"
 #define RECORDS_TABLE		"records"
 #define RECORDS_PKEY		"records_pkey"
+#define AUDIT_TABLE			"audit"
+
+/* Column numbers of idempotency.audit. */
+#define Anum_audit_at				1
+#define Anum_audit_actor			2
+#define Anum_audit_action			3
+#define Anum_audit_scope			4
+#define Anum_audit_key				5
+#define Anum_audit_token_before		6
+#define Anum_audit_token_after		7
+#define Anum_audit_status			8
+#define Anum_audit_note				9
+#define Natts_audit					9
 
 /* Cached OIDs, reset by relcache invalidation (DROP/CREATE EXTENSION). */
 static Oid	records_relid = InvalidOid;
@@ -129,6 +149,9 @@ record_from_tuple(Relation rel, HeapTuple tuple, IdemRecord *rec)
 	rec->completed_at = rec->has_completed_at ?
 		DatumGetTimestampTz(values[Anum_records_completed_at - 1]) : 0;
 	rec->expires_at = DatumGetTimestampTz(values[Anum_records_expires_at - 1]);
+	/* NULL only in rows written by version 1.0, which had no takeovers. */
+	rec->claimed_at = nulls[Anum_records_claimed_at - 1] ? rec->created_at :
+		DatumGetTimestampTz(values[Anum_records_claimed_at - 1]);
 }
 
 /*
@@ -170,11 +193,16 @@ records_lookup(Relation rel, Snapshot snapshot, text *scope, text *key,
 static void
 records_index_insert(Relation rel, HeapTuple tuple)
 {
-	CatalogIndexState indstate = CatalogOpenIndexes(rel);
+	CatalogIndexState indstate;
 	TupleTableSlot *slot;
 	Datum		values[INDEX_MAX_KEYS];
 	bool		isnull[INDEX_MAX_KEYS];
 
+	/* A HOT update needs no new index entries. */
+	if (HeapTupleIsHeapOnly(tuple))
+		return;
+
+	indstate = CatalogOpenIndexes(rel);
 	slot = MakeSingleTupleTableSlot(RelationGetDescr(rel), &TTSOpsHeapTuple);
 	ExecStoreHeapTuple(tuple, slot, false);
 
@@ -189,8 +217,8 @@ records_index_insert(Relation rel, HeapTuple tuple)
 			info->ii_ExclusionOps != NULL || !index->rd_index->indimmediate)
 			ereport(ERROR,
 					(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
-					 errmsg("index \"%s\" on idempotency.records is not supported",
-							RelationGetRelationName(index)),
+					 errmsg("index \"%s\" on idempotency.%s is not supported",
+							RelationGetRelationName(index), RelationGetRelationName(rel)),
 					 errdetail("Only immediate indexes on plain columns can be maintained by the extension."),
 					 errhint("Drop the index.")));
 
@@ -204,17 +232,12 @@ records_index_insert(Relation rel, HeapTuple tuple)
 	CatalogCloseIndexes(indstate);
 }
 
-/*
- * Insert a record.  rel must be open with RowExclusiveLock; the caller holds
- * the key's advisory lock, so the unique index sees no live rival, and it
- * stays as the last line of defence.
- */
-void
-records_insert(Relation rel, text *scope, text *key, const IdemRecord *rec)
+/* Form the heap tuple of a record. */
+static HeapTuple
+record_form_tuple(Relation rel, text *scope, text *key, const IdemRecord *rec)
 {
 	Datum		values[Natts_records];
 	bool		nulls[Natts_records];
-	HeapTuple	tuple;
 
 	memset(nulls, false, sizeof(nulls));
 	values[Anum_records_scope - 1] = PointerGetDatum(scope);
@@ -238,13 +261,80 @@ records_insert(Relation rel, text *scope, text *key, const IdemRecord *rec)
 	values[Anum_records_completed_at - 1] = TimestampTzGetDatum(rec->completed_at);
 	nulls[Anum_records_completed_at - 1] = !rec->has_completed_at;
 	values[Anum_records_expires_at - 1] = TimestampTzGetDatum(rec->expires_at);
+	values[Anum_records_claimed_at - 1] = TimestampTzGetDatum(rec->claimed_at);
 
-	tuple = heap_form_tuple(RelationGetDescr(rel), values, nulls);
+	return heap_form_tuple(RelationGetDescr(rel), values, nulls);
+}
+
+/*
+ * Insert a record.  rel must be open with RowExclusiveLock; the caller holds
+ * the key's advisory lock, so the unique index sees no live rival, and it
+ * stays as the last line of defence.
+ */
+void
+records_insert(Relation rel, text *scope, text *key, const IdemRecord *rec)
+{
+	HeapTuple	tuple = record_form_tuple(rel, scope, key, rec);
+
 	simple_heap_insert(rel, tuple);
 	records_index_insert(rel, tuple);
 	heap_freetuple(tuple);
 
 	/* Make the record visible to the rest of this transaction. */
+	CommandCounterIncrement();
+}
+
+/*
+ * Replace the record at rec->tid with rec's values.  Only holders of the
+ * key's advisory lock update records, and the cleanup worker never deletes a
+ * 'processing' one, so no concurrent update can interfere.
+ */
+void
+records_update(Relation rel, text *scope, text *key, const IdemRecord *rec)
+{
+	HeapTuple	tuple = record_form_tuple(rel, scope, key, rec);
+	ItemPointerData otid = rec->tid;
+
+	simple_heap_update(rel, &otid, tuple);
+	records_index_insert(rel, tuple);
+	heap_freetuple(tuple);
+	CommandCounterIncrement();
+}
+
+/* Append a row to idempotency.audit: who resolved which operation, how and when. */
+void
+records_audit(const char *action, text *scope, text *key, int64 token_before,
+			  int64 token_after, const IdemRecord *rec, text *note)
+{
+	Oid			nspid = get_namespace_oid(RECORDS_SCHEMA, false);
+	Oid			relid = get_relname_relid(AUDIT_TABLE, nspid);
+	Relation	rel;
+	Datum		values[Natts_audit];
+	bool		nulls[Natts_audit];
+	HeapTuple	tuple;
+
+	if (!OidIsValid(relid))
+		elog(ERROR, "table idempotency.%s does not exist", AUDIT_TABLE);
+	rel = table_open(relid, RowExclusiveLock);
+
+	memset(nulls, false, sizeof(nulls));
+	values[Anum_audit_at - 1] = TimestampTzGetDatum(GetCurrentTimestamp());
+	values[Anum_audit_actor - 1] = CStringGetTextDatum(GetUserNameFromId(GetSessionUserId(), false));
+	values[Anum_audit_action - 1] = CStringGetTextDatum(action);
+	values[Anum_audit_scope - 1] = PointerGetDatum(scope);
+	values[Anum_audit_key - 1] = PointerGetDatum(key);
+	values[Anum_audit_token_before - 1] = Int64GetDatum(token_before);
+	values[Anum_audit_token_after - 1] = Int64GetDatum(token_after);
+	values[Anum_audit_status - 1] = Int32GetDatum(rec->status);
+	nulls[Anum_audit_status - 1] = !rec->has_status;
+	values[Anum_audit_note - 1] = PointerGetDatum(note);
+	nulls[Anum_audit_note - 1] = (note == NULL);
+
+	tuple = heap_form_tuple(RelationGetDescr(rel), values, nulls);
+	simple_heap_insert(rel, tuple);
+	records_index_insert(rel, tuple);
+	heap_freetuple(tuple);
+	table_close(rel, RowExclusiveLock);
 	CommandCounterIncrement();
 }
 

@@ -31,7 +31,8 @@
 #define Anum_records_created_at			11
 #define Anum_records_completed_at		12
 #define Anum_records_expires_at			13
-#define Natts_records					13
+#define Anum_records_claimed_at			14
+#define Natts_records					14
 
 /* Values of records.state. */
 #define RECORD_STATE_COMPLETED	"completed"
@@ -58,6 +59,7 @@ typedef struct IdemRecord
 	bool		has_completed_at;
 	TimestampTz completed_at;
 	TimestampTz expires_at;
+	TimestampTz claimed_at;		/* when the current token was handed out */
 } IdemRecord;
 
 extern void RecordsInit(void);
@@ -66,6 +68,11 @@ extern bool records_lookup(Relation rel, Snapshot snapshot, text *scope,
 						   text *key, IdemRecord *rec);
 extern void records_insert(Relation rel, text *scope, text *key,
 						   const IdemRecord *rec);
+extern void records_update(Relation rel, text *scope, text *key,
+						   const IdemRecord *rec);
+extern void records_audit(const char *action, text *scope, text *key,
+						  int64 token_before, int64 token_after,
+						  const IdemRecord *rec, text *note);
 extern void records_delete_expired(Relation rel, ItemPointer tid);
 
 #endif							/* IDEM_RECORDS_H */

@@ -1,0 +1,337 @@
+/*-------------------------------------------------------------------------
+ *
+ * phases.c
+ *	  Multi-phase operations: leases, fencing tokens, recovery points,
+ *	  downstream keys and the resolution of stuck operations.
+ *
+ * An effect outside the database (a payment gateway, an SMS) cannot share a
+ * transaction with the claim.  A multi-phase claim (idem_claim with a lease)
+ * therefore commits on its own as a 'processing' record, and the operation
+ * proceeds in phases, each a transaction that commits a recovery point.  If
+ * the owner stops renewing its lease, the next claim takes the operation
+ * over with the next token and resumes from the last recovery point.
+ *
+ * Every call that carries a token holds the key's advisory lock until its
+ * transaction ends and checks the token against the record's: an owner that
+ * was taken over (or whose operation an operator resolved) is fenced with
+ * SQLSTATE IK001, and its transaction, with whatever it wrote, rolls back.
+ * While an owner's phase transaction holds the lock, nobody can take over.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "access/table.h"
+#include "common/hashfn.h"
+#include "miscadmin.h"
+#include "utils/builtins.h"
+#include "utils/snapmgr.h"
+
+#include "claims.h"
+#include "fingerprint.h"
+#include "records.h"
+
+/*
+ * The record of (scope, key) as it stands now.  The caller holds the key's
+ * lock, so no change is in flight and SnapshotSelf shows the latest state.
+ */
+static bool
+phase_lookup(text *scope, text *key, IdemRecord *rec)
+{
+	Relation	rel = records_open(AccessShareLock);
+	bool		found = records_lookup(rel, SnapshotSelf, scope, key, rec);
+
+	table_close(rel, AccessShareLock);
+	return found && (!rec->completed || rec->expires_at > GetCurrentTimestamp());
+}
+
+/* The unknown-operation error. */
+static void
+report_unknown(text *scope, text *key, const char *caller)
+{
+	ereport(ERROR,
+			(errcode(ERRCODE_UNDEFINED_OBJECT),
+			 errmsg("%s: no operation with idempotency key \"%s\" in scope \"%s\"",
+					caller, text_to_cstring(key), text_to_cstring(scope)),
+			 errhint("Claim it with idem_claim() and a lease first.")));
+}
+
+/* A token argument, which must not be NULL. */
+static int64
+phase_token_arg(FunctionCallInfo fcinfo, int argno)
+{
+	if (PG_ARGISNULL(argno))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("token must not be null"),
+				 errhint("Pass the token idem_claim() returned.")));
+	return PG_GETARG_INT64(argno);
+}
+
+/*
+ * Lock the key and return its 'processing' record, checking that token is
+ * still the current one: the fencing check of every token-carrying call.
+ */
+static void
+phase_fetch(text *scope, text *key, int64 token, IdemRecord *rec,
+			const char *caller)
+{
+	claim_lock_hold(scope, key, caller);
+	if (!phase_lookup(scope, key, rec))
+		report_unknown(scope, key, caller);
+	if (rec->token != token)
+		ereport(ERROR,
+				(errcode(ERRCODE_IDEM_FENCED),
+				 errmsg("%s: token " INT64_FORMAT " of idempotency key \"%s\" in scope \"%s\" is no longer current",
+						caller, token, text_to_cstring(key), text_to_cstring(scope)),
+				 errdetail("The operation was taken over; its current token is " INT64_FORMAT ".",
+						   rec->token),
+				 errhint("Stop working on it: its new owner carries on, and nothing this transaction wrote will take effect.")));
+	if (rec->completed)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("%s: the operation with idempotency key \"%s\" in scope \"%s\" is already completed",
+						caller, text_to_cstring(key), text_to_cstring(scope))));
+}
+
+/* Write back a record changed under the key's lock. */
+static void
+phase_store(text *scope, text *key, const IdemRecord *rec)
+{
+	Relation	rel = records_open(RowExclusiveLock);
+
+	records_update(rel, scope, key, rec);
+	table_close(rel, RowExclusiveLock);
+}
+
+/*
+ * Complete a 'processing' record with its response.  Its ttl counts from
+ * completion, so an operation that ran long still replays for the full ttl.
+ */
+static void
+phase_complete(IdemRecord *rec, int32 status, Jsonb *body, Jsonb *headers)
+{
+	TimestampTz now = GetCurrentTimestamp();
+
+	claim_check_response(status, body, headers);
+	rec->expires_at = now + (rec->expires_at - rec->created_at);
+	rec->completed = true;
+	rec->has_status = true;
+	rec->status = status;
+	rec->body = body;
+	rec->headers = headers;
+	rec->has_completed_at = true;
+	rec->completed_at = now;
+}
+
+/* idem_succeed(scope, key, status, body, headers, token): complete a multi-phase operation. */
+void
+phase_succeed(FunctionCallInfo fcinfo, text *scope, text *key)
+{
+	IdemRecord	rec;
+
+	phase_fetch(scope, key, phase_token_arg(fcinfo, 5), &rec, "idem_succeed");
+	phase_complete(&rec, PG_GETARG_INT32(2),
+				   PG_ARGISNULL(3) ? NULL : PG_GETARG_JSONB_P(3),
+				   PG_ARGISNULL(4) ? NULL : PG_GETARG_JSONB_P(4));
+	phase_store(scope, key, &rec);
+}
+
+PG_FUNCTION_INFO_V1(idem_release_token);
+PG_FUNCTION_INFO_V1(idem_checkpoint);
+PG_FUNCTION_INFO_V1(idem_extend);
+PG_FUNCTION_INFO_V1(idem_downstream_key);
+PG_FUNCTION_INFO_V1(idem_resolve_complete);
+PG_FUNCTION_INFO_V1(idem_resolve_release);
+
+/*
+ * idem_release(scope, key, token): give a multi-phase operation up.  The lease
+ * ends now, so the next claim takes it over at once and resumes from the last
+ * recovery point: phases already committed are not repeated.
+ */
+Datum
+idem_release_token(PG_FUNCTION_ARGS)
+{
+	text	   *scope;
+	text	   *key;
+	IdemRecord	rec;
+
+	claim_scope_key_args(fcinfo, &scope, &key);
+	phase_fetch(scope, key, phase_token_arg(fcinfo, 2), &rec, "idem_release");
+	rec.lease_expires_at = GetCurrentTimestamp();
+	phase_store(scope, key, &rec);
+	PG_RETURN_VOID();
+}
+
+/* idem_checkpoint(scope, key, token, recovery_point): commit a phase's progress with it. */
+Datum
+idem_checkpoint(PG_FUNCTION_ARGS)
+{
+	text	   *scope;
+	text	   *key;
+	int64		token;
+	IdemRecord	rec;
+
+	claim_scope_key_args(fcinfo, &scope, &key);
+	token = phase_token_arg(fcinfo, 2);
+	if (PG_ARGISNULL(3))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("recovery_point must not be null")));
+	phase_fetch(scope, key, token, &rec, "idem_checkpoint");
+	rec.recovery_point = PG_GETARG_TEXT_PP(3);
+	phase_store(scope, key, &rec);
+	PG_RETURN_VOID();
+}
+
+/* idem_extend(scope, key, token, lease): a heartbeat; returns the new end of the lease. */
+Datum
+idem_extend(PG_FUNCTION_ARGS)
+{
+	text	   *scope;
+	text	   *key;
+	int64		token;
+	IdemRecord	rec;
+	TimestampTz lease_expires_at;
+
+	claim_scope_key_args(fcinfo, &scope, &key);
+	token = phase_token_arg(fcinfo, 2);
+	if (PG_ARGISNULL(3))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("lease must not be null")));
+	lease_expires_at = claim_interval_end(fcinfo, 3, GetCurrentTimestamp(), "lease");
+	phase_fetch(scope, key, token, &rec, "idem_extend");
+	rec.lease_expires_at = lease_expires_at;
+	phase_store(scope, key, &rec);
+	PG_RETURN_TIMESTAMPTZ(lease_expires_at);
+}
+
+/*
+ * idem_downstream_key(scope, key, label): the idempotency key to send to an
+ * external provider for one step of an operation.  The same for every owner
+ * and every retry, so a takeover that repeats the step reuses the provider's
+ * own deduplication.  A UUID (version 8) made of SHA-256 over the three
+ * values, so that any provider accepts it.
+ */
+Datum
+idem_downstream_key(PG_FUNCTION_ARGS)
+{
+	text	   *scope;
+	text	   *key;
+	text	   *label;
+	StringInfoData buf;
+	uint8		hash[IDEM_SHA256_LEN];
+	char		out[37];
+	int			pos = 0;
+
+	claim_scope_key_args(fcinfo, &scope, &key);
+	if (PG_ARGISNULL(2))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("label must not be null")));
+	label = PG_GETARG_TEXT_PP(2);
+	if (VARSIZE_ANY_EXHDR(label) == 0 || VARSIZE_ANY_EXHDR(label) > IDEM_MAX_KEY_LEN)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("label must have 1 to %d bytes", IDEM_MAX_KEY_LEN)));
+
+	/* NUL separators keep ("a", "bc") and ("ab", "c") apart. */
+	initStringInfo(&buf);
+	appendStringInfoString(&buf, "idempotency downstream key v1");
+	appendStringInfoChar(&buf, '\0');
+	appendBinaryStringInfo(&buf, VARDATA_ANY(scope), VARSIZE_ANY_EXHDR(scope));
+	appendStringInfoChar(&buf, '\0');
+	appendBinaryStringInfo(&buf, VARDATA_ANY(key), VARSIZE_ANY_EXHDR(key));
+	appendStringInfoChar(&buf, '\0');
+	appendBinaryStringInfo(&buf, VARDATA_ANY(label), VARSIZE_ANY_EXHDR(label));
+	idem_sha256(buf.data, buf.len, hash);
+
+	hash[6] = (hash[6] & 0x0F) | 0x80;	/* version 8 */
+	hash[8] = (hash[8] & 0x3F) | 0x80;	/* RFC 9562 variant */
+	for (int i = 0; i < 16; i++)
+	{
+		if (i == 4 || i == 6 || i == 8 || i == 10)
+			out[pos++] = '-';
+		pos += snprintf(out + pos, sizeof(out) - pos, "%02x", hash[i]);
+	}
+	PG_RETURN_TEXT_P(cstring_to_text_with_len(out, pos));
+}
+
+/*
+ * Lock a stuck operation for an operator: it must be 'processing' with an
+ * expired lease.  Returns its record; the caller bumps the token, which
+ * fences the old owner.
+ */
+static void
+resolve_fetch(FunctionCallInfo fcinfo, text **scope, text **key,
+			  IdemRecord *rec, const char *caller)
+{
+	claim_scope_key_args(fcinfo, scope, key);
+	claim_lock_hold(*scope, *key, caller);
+	if (!phase_lookup(*scope, *key, rec))
+		report_unknown(*scope, *key, caller);
+	if (rec->completed)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("%s: the operation with idempotency key \"%s\" in scope \"%s\" is already completed",
+						caller, text_to_cstring(*key), text_to_cstring(*scope))));
+	if (rec->has_lease && rec->lease_expires_at > GetCurrentTimestamp())
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("%s: the operation with idempotency key \"%s\" in scope \"%s\" still has a live lease",
+						caller, text_to_cstring(*key), text_to_cstring(*scope)),
+				 errdetail("Its owner may still be at work."),
+				 errhint("Resolve it once its lease has expired (see idem_stuck).")));
+}
+
+/*
+ * idem_resolve_complete(scope, key, status, body, headers, note): an operator
+ * stores the final response found by reconciliation with the provider.
+ * Returns the new token.
+ */
+Datum
+idem_resolve_complete(PG_FUNCTION_ARGS)
+{
+	text	   *scope;
+	text	   *key;
+	IdemRecord	rec;
+	int64		token_before;
+
+	if (PG_ARGISNULL(2))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("status must not be null")));
+	resolve_fetch(fcinfo, &scope, &key, &rec, "idem_resolve_complete");
+	token_before = rec.token++;
+	phase_complete(&rec, PG_GETARG_INT32(2),
+				   PG_ARGISNULL(3) ? NULL : PG_GETARG_JSONB_P(3),
+				   PG_ARGISNULL(4) ? NULL : PG_GETARG_JSONB_P(4));
+	phase_store(scope, key, &rec);
+	records_audit("complete", scope, key, token_before, rec.token, &rec,
+				  PG_ARGISNULL(5) ? NULL : PG_GETARG_TEXT_PP(5));
+	PG_RETURN_INT64(rec.token);
+}
+
+/*
+ * idem_resolve_release(scope, key, note): an operator releases a stuck
+ * operation so that the next retry takes it over from its recovery point.
+ * Returns the new token.
+ */
+Datum
+idem_resolve_release(PG_FUNCTION_ARGS)
+{
+	text	   *scope;
+	text	   *key;
+	IdemRecord	rec;
+	int64		token_before;
+
+	resolve_fetch(fcinfo, &scope, &key, &rec, "idem_resolve_release");
+	token_before = rec.token++;
+	rec.has_lease = true;
+	rec.lease_expires_at = GetCurrentTimestamp();
+	phase_store(scope, key, &rec);
+	records_audit("release", scope, key, token_before, rec.token, &rec,
+				  PG_ARGISNULL(2) ? NULL : PG_GETARG_TEXT_PP(2));
+	PG_RETURN_INT64(rec.token);
+}

@@ -15,6 +15,8 @@ idem_build_install
 
 dir=$(mktemp -d /tmp/idempotency-demo.XXXXXX)
 [ "$(id -u)" -eq 0 ] && chown postgres: "$dir"
+# Work from there: the server's user may not enter the clone (say, under /root).
+cd "$dir"
 port=${DEMO_PORT:-5488}
 cleanup() {
 	idem_as_pg "$PG_BINDIR/pg_ctl" -D "$dir/data" -m immediate stop >/dev/null 2>&1 || true
@@ -22,7 +24,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-idem_as_pg "$PG_BINDIR/initdb" -D "$dir/data" -A trust -U postgres >/dev/null
+idem_as_pg "$PG_BINDIR/initdb" -D "$dir/data" -A trust -U postgres -E UTF8 --no-locale >/dev/null
 cat >>"$dir/data/postgresql.conf" <<EOF
 port = $port
 unix_socket_directories = '$dir'
@@ -32,7 +34,11 @@ EOF
 idem_as_pg "$PG_BINDIR/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w start >/dev/null
 
 psql_demo() { idem_as_pg "$PG_BINDIR/psql" -X -q -h "$dir" -p "$port" -U postgres -d postgres "$@"; }
-say() { printf '\n\033[1m%s\033[0m\n' "$*"; }
+if [ -t 1 ]; then
+	say() { printf '\n\033[1m%s\033[0m\n' "$*"; }
+else
+	say() { printf '\n== %s\n' "$*"; }
+fi
 show() {
 	# Echo the SQL, then run it.
 	printf '%s\n' "$1" | sed 's/^/    /'
@@ -68,7 +74,7 @@ SELECT outcome AS a_outcome FROM idem_claim('tenant-42:POST /payments', 'c3d4', 
 INSERT INTO payments (amount, idem_key) VALUES (20, 'c3d4');
 SELECT pg_sleep(2);
 SELECT idem_succeed('tenant-42:POST /payments', 'c3d4', 201, '{\"payment_id\": 2}');
-COMMIT;" | sed 's/^/    A: /' &
+COMMIT;" >"$dir/a.out" 2>&1 &
 a_pid=$!
 sleep 0.5
 start=$(date +%s%N)
@@ -77,6 +83,7 @@ SELECT outcome AS b_outcome, status, body FROM idem_claim('tenant-42:POST /payme
 COMMIT;" | sed 's/^/    B: /'
 end=$(date +%s%N)
 wait $a_pid
+sed 's/^/    A: /' "$dir/a.out"
 echo "   B waited $(( (end - start) / 1000000 )) ms for A (idempotency.wait_timeout is 5s), then replayed A's response."
 show "SELECT idem_key, count(*) FROM payments GROUP BY idem_key ORDER BY idem_key;"
 

@@ -7,7 +7,7 @@
 idem_packages=(
 	gcc make libc6-dev
 	postgresql-15 postgresql-server-dev-15 postgresql-15-pgtap
-	libssl-dev libcurl4-openssl-dev libipc-run-perl
+	libssl-dev libipc-run-perl
 )
 
 idem_install_deps() {
@@ -16,11 +16,17 @@ idem_install_deps() {
 		dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$p")
 	done
 	[ ${#missing[@]} -eq 0 ] && return 0
+	# Installing postgresql-15 would otherwise create and start a permanent
+	# cluster on port 5432; the project only ever uses throwaway ones.
+	if [ ! -d /etc/postgresql/15 ] && [ "$(id -u)" -eq 0 ]; then
+		mkdir -p /etc/postgresql-common/createcluster.d
+		echo 'create_main_cluster = false' >/etc/postgresql-common/createcluster.d/idempotency.conf
+	fi
 	if [ "$(id -u)" -ne 0 ]; then
 		echo "missing packages: ${missing[*]}; run as root to install them" >&2
 		return 1
 	fi
-	echo "installing: ${missing[*]}"
+	echo "installing: ${missing[*]} (a minute or two on a bare machine)"
 	export DEBIAN_FRONTEND=noninteractive
 	apt-get update -qq
 	apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -25,6 +25,7 @@
 #include <limits.h>
 #include <math.h>
 
+#include "access/genam.h"
 #include "access/table.h"
 #include "access/xact.h"
 #include "common/hashfn.h"
@@ -606,6 +607,7 @@ claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 		  ClaimAnswer *answer)
 {
 	Relation	rel;
+	Relation	pkey;
 	IdemRecord	rec;
 	LOCKTAG		tag;
 	bool		already_held;
@@ -618,14 +620,16 @@ claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 
 	memset(answer, 0, sizeof(*answer));
 	rel = records_open(AccessShareLock);
+	pkey = records_open_pkey();
 
 	/* A record visible to this statement that answers: no lock, no write. */
 	ItemPointerSetInvalid(&seen_tid);
-	if (records_lookup(rel, GetActiveSnapshot(), scope, key, &rec))
+	if (records_lookup(rel, pkey, GetActiveSnapshot(), scope, key, &rec))
 	{
 		if (record_standing(&rec, fingerprint, now) == RECORD_ANSWERS)
 		{
 			answer_from_record(&rec, fingerprint, now, answer);
+			index_close(pkey, AccessShareLock);
 			table_close(rel, AccessShareLock);
 			return;
 		}
@@ -647,9 +651,13 @@ claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 	{
 		answer->outcome = CLAIM_IN_PROGRESS;
 		answer->retry_after = 1;
+		index_close(pkey, AccessShareLock);
 		table_close(rel, AccessShareLock);
 		return;
 	}
+	/* After a wait, leases and expiry are judged at the present time. */
+	if (lock_owner == CurTransactionResourceOwner)
+		now = GetCurrentTimestamp();
 
 	/*
 	 * Look again: a winner that committed before we got the lock is visible
@@ -657,7 +665,8 @@ claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 	 * hand no change is in flight and SnapshotSelf (committed rows, and ours)
 	 * shows the latest state without the cost of a new MVCC snapshot.
 	 */
-	found = records_lookup(rel, SnapshotSelf, scope, key, &rec);
+	found = records_lookup(rel, pkey, SnapshotSelf, scope, key, &rec);
+	index_close(pkey, AccessShareLock);
 	table_close(rel, AccessShareLock);
 	standing = found ? record_standing(&rec, fingerprint, now) : RECORD_GONE;
 
@@ -754,7 +763,7 @@ claim_succeed(text *scope, text *key, int32 status, Jsonb *body, Jsonb *headers)
 	rec.token = e->token;
 	rec.created_at = e->created_at;
 	rec.has_completed_at = true;
-	rec.completed_at = GetCurrentTimestamp();
+	rec.completed_at = GetCurrentStatementStartTimestamp();
 	rec.expires_at = e->expires_at;
 	rec.claimed_at = e->created_at;
 
@@ -850,7 +859,7 @@ idem_claim_jsonb(PG_FUNCTION_ARGS)
 	claim_check_request(fcinfo);
 	PG_RETURN_DATUM(claim_with_fingerprint(fcinfo, scope, key,
 										   idem_fingerprint_jsonb(PG_GETARG_JSONB_P(2)),
-										   GetCurrentTimestamp()));
+										   GetCurrentStatementStartTimestamp()));
 }
 
 /*
@@ -871,7 +880,7 @@ idem_claim_text(PG_FUNCTION_ARGS)
 												 CStringGetDatum(text_to_cstring(PG_GETARG_TEXT_PP(2)))));
 	PG_RETURN_DATUM(claim_with_fingerprint(fcinfo, scope, key,
 										   idem_fingerprint_jsonb(request),
-										   GetCurrentTimestamp()));
+										   GetCurrentStatementStartTimestamp()));
 }
 
 /* idem_claim(scope, key, fingerprint bytea, ttl): claim with the caller's own request hash. */
@@ -895,7 +904,7 @@ idem_claim_bytea(PG_FUNCTION_ARGS)
 				 errdetail("The fingerprint given has %d bytes.",
 						   (int) VARSIZE_ANY_EXHDR(fingerprint))));
 	PG_RETURN_DATUM(claim_with_fingerprint(fcinfo, scope, key, fingerprint,
-										   GetCurrentTimestamp()));
+										   GetCurrentStatementStartTimestamp()));
 }
 
 /*
@@ -946,6 +955,7 @@ idem_replay(PG_FUNCTION_ARGS)
 	text	   *scope;
 	text	   *key;
 	Relation	rel;
+	Relation	pkey;
 	IdemRecord	rec;
 	bool		found;
 
@@ -953,10 +963,12 @@ idem_replay(PG_FUNCTION_ARGS)
 	InitMaterializedSRF(fcinfo, 0);
 
 	rel = records_open(AccessShareLock);
-	found = records_lookup(rel, GetActiveSnapshot(), scope, key, &rec);
+	pkey = records_open_pkey();
+	found = records_lookup(rel, pkey, GetActiveSnapshot(), scope, key, &rec);
+	index_close(pkey, AccessShareLock);
 	table_close(rel, AccessShareLock);
 
-	if (found && rec.expires_at > GetCurrentTimestamp())
+	if (found && (!rec.completed || rec.expires_at > GetCurrentStatementStartTimestamp()))
 	{
 		Datum		values[7];
 		bool		nulls[7];

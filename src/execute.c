@@ -17,6 +17,7 @@
 #include "postgres.h"
 
 #include "access/htup_details.h"
+#include "access/xact.h"
 #include "catalog/namespace.h"
 #include "catalog/pg_proc.h"
 #include "catalog/pg_type.h"
@@ -182,7 +183,7 @@ idem_execute(PG_FUNCTION_ARGS)
 {
 	text	   *scope;
 	text	   *key;
-	TimestampTz now = GetCurrentTimestamp();
+	TimestampTz now = GetCurrentStatementStartTimestamp();
 	TimestampTz expires_at;
 	Jsonb	   *request;
 	Oid			handler;

@@ -21,6 +21,7 @@
  */
 #include "postgres.h"
 
+#include "access/genam.h"
 #include "access/table.h"
 #include "common/hashfn.h"
 #include "miscadmin.h"
@@ -39,8 +40,10 @@ static bool
 phase_lookup(text *scope, text *key, IdemRecord *rec)
 {
 	Relation	rel = records_open(AccessShareLock);
-	bool		found = records_lookup(rel, SnapshotSelf, scope, key, rec);
+	Relation	pkey = records_open_pkey();
+	bool		found = records_lookup(rel, pkey, SnapshotSelf, scope, key, rec);
 
+	index_close(pkey, AccessShareLock);
 	table_close(rel, AccessShareLock);
 	return found && (!rec->completed || rec->expires_at > GetCurrentTimestamp());
 }

@@ -109,6 +109,13 @@ records_open(LOCKMODE lockmode)
 	return table_open(records_relid, lockmode);
 }
 
+/* Open the primary key of idempotency.records (after records_open) for lookups. */
+Relation
+records_open_pkey(void)
+{
+	return index_open(records_pkey_relid, AccessShareLock);
+}
+
 /* Text column as a palloc'd copy, or NULL. */
 static inline text *
 copy_text(Datum value, bool isnull)
@@ -156,11 +163,12 @@ record_from_tuple(Relation rel, HeapTuple tuple, IdemRecord *rec)
 
 /*
  * Find the record of (scope, key) visible to snapshot through the primary
- * key.  Returns false if there is none.
+ * key pkey (from records_open_pkey, so that a caller looking twice opens it
+ * once).  Returns false if there is none.
  */
 bool
-records_lookup(Relation rel, Snapshot snapshot, text *scope, text *key,
-			   IdemRecord *rec)
+records_lookup(Relation rel, Relation pkey, Snapshot snapshot, text *scope,
+			   text *key, IdemRecord *rec)
 {
 	ScanKeyData skey[2];
 	SysScanDesc scan;
@@ -173,14 +181,14 @@ records_lookup(Relation rel, Snapshot snapshot, text *scope, text *key,
 	ScanKeyInit(&skey[1], Anum_records_key, BTEqualStrategyNumber,
 				F_TEXTEQ, PointerGetDatum(key));
 
-	scan = systable_beginscan(rel, records_pkey_relid, true, snapshot, 2, skey);
-	tuple = systable_getnext(scan);
+	scan = systable_beginscan_ordered(rel, pkey, snapshot, 2, skey);
+	tuple = systable_getnext_ordered(scan, ForwardScanDirection);
 	if (HeapTupleIsValid(tuple))
 	{
 		record_from_tuple(rel, tuple, rec);
 		found = true;
 	}
-	systable_endscan(scan);
+	systable_endscan_ordered(scan);
 
 	return found;
 }

@@ -64,8 +64,9 @@ typedef struct IdemRecord
 
 extern void RecordsInit(void);
 extern Relation records_open(LOCKMODE lockmode);
-extern bool records_lookup(Relation rel, Snapshot snapshot, text *scope,
-						   text *key, IdemRecord *rec);
+extern Relation records_open_pkey(void);
+extern bool records_lookup(Relation rel, Relation pkey, Snapshot snapshot,
+						   text *scope, text *key, IdemRecord *rec);
 extern void records_insert(Relation rel, text *scope, text *key,
 						   const IdemRecord *rec);
 extern void records_update(Relation rel, text *scope, text *key,

@@ -598,13 +598,13 @@ claim_multi_phase(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 
 /*
  * Claim (scope, key), or say why not.  See the file header for the
- * protocol.  lease_expires_at is 0 for a claim that completes in this
- * transaction, else the end of a multi-phase claim's lease.
+ * protocol.  lease is 0 for a claim that completes in this transaction, else
+ * the length of a multi-phase claim's lease in microseconds: it starts when
+ * the claim is granted, after any wait for the key.
  */
 void
 claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
-		  TimestampTz expires_at, TimestampTz lease_expires_at,
-		  ClaimAnswer *answer)
+		  TimestampTz expires_at, int64 lease, ClaimAnswer *answer)
 {
 	Relation	rel;
 	Relation	pkey;
@@ -617,6 +617,7 @@ claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 	RecordStanding standing;
 	ClaimEntry *mine;
 	ClaimEntry	entry;
+	TimestampTz lease_expires_at;
 
 	memset(answer, 0, sizeof(*answer));
 	rel = records_open(AccessShareLock);
@@ -658,6 +659,7 @@ claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 	/* After a wait, leases and expiry are judged at the present time. */
 	if (lock_owner == CurTransactionResourceOwner)
 		now = GetCurrentTimestamp();
+	lease_expires_at = lease != 0 ? now + lease : 0;
 
 	/*
 	 * Look again: a winner that committed before we got the lock is visible
@@ -841,10 +843,11 @@ claim_with_fingerprint(FunctionCallInfo fcinfo, text *scope, text *key,
 					   bytea *fingerprint, TimestampTz now)
 {
 	TimestampTz expires_at = claim_expiry(fcinfo, 3, now);
-	TimestampTz lease_expires_at = claim_interval_end(fcinfo, 4, now, "lease");
+	TimestampTz lease_end = claim_interval_end(fcinfo, 4, now, "lease");
 	ClaimAnswer answer;
 
-	claim_key(scope, key, fingerprint, now, expires_at, lease_expires_at, &answer);
+	claim_key(scope, key, fingerprint, now, expires_at,
+			  lease_end != 0 ? lease_end - now : 0, &answer);
 	return claim_result_datum(fcinfo, &answer);
 }
 

@@ -65,7 +65,7 @@ extern void claim_check_response(int32 status, Jsonb *body, Jsonb *headers);
 
 extern void claim_key(text *scope, text *key, bytea *fingerprint,
 					  TimestampTz now, TimestampTz expires_at,
-					  TimestampTz lease_expires_at, ClaimAnswer *answer);
+					  int64 lease, ClaimAnswer *answer);
 extern void claim_locktag(LOCKTAG *tag, text *scope, text *key);
 extern void claim_lock_hold(text *scope, text *key, const char *caller);
 

@@ -203,8 +203,10 @@ idem_extend(PG_FUNCTION_ARGS)
 		ereport(ERROR,
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 				 errmsg("lease must not be null")));
-	lease_expires_at = claim_interval_end(fcinfo, 3, GetCurrentTimestamp(), "lease");
+	/* Validate first; the lease starts once the key is ours, after any wait. */
+	(void) claim_interval_end(fcinfo, 3, GetCurrentTimestamp(), "lease");
 	phase_fetch(scope, key, token, &rec, "idem_extend");
+	lease_expires_at = claim_interval_end(fcinfo, 3, GetCurrentTimestamp(), "lease");
 	rec.lease_expires_at = lease_expires_at;
 	phase_store(scope, key, &rec);
 	PG_RETURN_TIMESTAMPTZ(lease_expires_at);

@@ -15,7 +15,7 @@ SHLIB_LINK += -lcrypto
 # Test inputs follow the contrib layout: sql/ and expected/ for pg_regress,
 # specs/ for pg_isolation_regress, t/ for TAP.  test/run.sh runs them all on a
 # throwaway cluster; REGRESS and ISOLATION also serve `make installcheck`.
-REGRESS = canonical claim errors commit_guard expiry execute privileges phases contract_tap
+REGRESS = canonical claim errors commit_guard expiry execute privileges phases contract_tap upgrade
 ISOLATION = $(patsubst specs/%.spec,%,$(sort $(wildcard specs/*.spec)))
 
 PG_CONFIG ?= pg_config

@@ -11,12 +11,17 @@
  * index lookup, and a claim can never be committed without its response: the
  * pre-commit callback refuses to commit while a claim is unfinished.
  *
- * A duplicate that finds no committed record takes the lock, waiting up to
- * idempotency.wait_timeout for the holder's transaction to end, and then
- * looks again with a fresh snapshot: it replays the winner's response, or
- * claims the key itself if the winner rolled back.  Under REPEATABLE READ and
- * SERIALIZABLE a winner committed after the transaction's snapshot cannot be
- * replayed consistently, so that case is a serialization failure.
+ * Every claim first tries the key's lock without waiting.  If it is free,
+ * one lookup decides: nobody can be changing the record, so the latest
+ * committed state is the truth; a replay then gives the lock back at once.
+ * If another transaction holds the key, a record visible to the statement's
+ * snapshot that answers (a replay, a mismatch, a live lease) answers without
+ * waiting; otherwise the claim waits up to idempotency.wait_timeout for the
+ * holder's transaction to end and looks again: it replays the winner's
+ * response, or claims the key itself if the winner rolled back.  Under
+ * REPEATABLE READ and SERIALIZABLE a record the transaction's snapshot
+ * cannot see must not decide the outcome, so that case is a serialization
+ * failure.  On a hot standby no lock is taken: replays work, claims do not.
  *
  *-------------------------------------------------------------------------
  */
@@ -27,6 +32,7 @@
 
 #include "access/genam.h"
 #include "access/table.h"
+#include "access/xlog.h"
 #include "access/xact.h"
 #include "common/hashfn.h"
 #include "funcapi.h"
@@ -408,6 +414,9 @@ claim_lock_wait(const LOCKTAG *tag)
 	int			saved_lock_timeout = LockTimeout;
 	volatile bool acquired = false;
 
+	if (idem_wait_timeout == 0)
+		return false;
+
 	BeginInternalSubTransaction(NULL);
 	MemoryContextSwitchTo(oldcontext);
 
@@ -442,13 +451,11 @@ claim_lock_wait(const LOCKTAG *tag)
 }
 
 /*
- * Take the key's lock, waiting if another transaction holds it.  Returns
- * false if it is still held after the wait; *already_held tells whether this
- * transaction held it before, *owner which resource owner holds it now (after
- * a wait, the transaction's rather than the statement's).
+ * Take the key's lock if it is free.  *already_held tells whether this
+ * transaction held it before, *owner which resource owner holds it now.
  */
 static bool
-claim_lock_acquire(const LOCKTAG *tag, bool *already_held, ResourceOwner *owner)
+claim_lock_try(const LOCKTAG *tag, bool *already_held, ResourceOwner *owner)
 {
 	LockAcquireResult res;
 
@@ -456,12 +463,7 @@ claim_lock_acquire(const LOCKTAG *tag, bool *already_held, ResourceOwner *owner)
 	*already_held = (res == LOCKACQUIRE_ALREADY_HELD ||
 					 res == LOCKACQUIRE_ALREADY_CLEAR);
 	*owner = CurrentResourceOwner;
-	if (res != LOCKACQUIRE_NOT_AVAIL)
-		return true;
-	if (idem_wait_timeout == 0)
-		return false;
-	*owner = CurTransactionResourceOwner;
-	return claim_lock_wait(tag);
+	return res != LOCKACQUIRE_NOT_AVAIL;
 }
 
 /*
@@ -477,7 +479,7 @@ claim_lock_hold(text *scope, text *key, const char *caller)
 
 	PreventCommandIfReadOnly(psprintf("%s()", caller));
 	claim_locktag(&tag, scope, key);
-	if (!claim_lock_acquire(&tag, &already_held, &owner))
+	if (!claim_lock_try(&tag, &already_held, &owner) && !claim_lock_wait(&tag))
 		ereport(ERROR,
 				(errcode(ERRCODE_LOCK_NOT_AVAILABLE),
 				 errmsg("%s: idempotency key \"%s\" in scope \"%s\" is busy",
@@ -610,8 +612,9 @@ claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 	Relation	pkey;
 	IdemRecord	rec;
 	LOCKTAG		tag;
-	bool		already_held;
-	ResourceOwner lock_owner;
+	bool		already_held = false;
+	ResourceOwner lock_owner = CurrentResourceOwner;
+	bool		locked;
 	bool		found;
 	ItemPointerData seen_tid;
 	RecordStanding standing;
@@ -622,69 +625,87 @@ claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 	memset(answer, 0, sizeof(*answer));
 	rel = records_open(AccessShareLock);
 	pkey = records_open_pkey();
-
-	/* A record visible to this statement that answers: no lock, no write. */
+	claim_locktag(&tag, scope, key);
 	ItemPointerSetInvalid(&seen_tid);
-	if (records_lookup(rel, pkey, GetActiveSnapshot(), scope, key, &rec))
+
+	/*
+	 * Take the key's lock if nobody holds it: then a single lookup settles
+	 * the claim.  Every writer of a record holds its key's lock, so with the
+	 * lock in hand no change is in flight and SnapshotSelf (committed rows,
+	 * and ours) shows the latest state without the cost of an MVCC snapshot.
+	 */
+	locked = !RecoveryInProgress() &&
+		claim_lock_try(&tag, &already_held, &lock_owner);
+	if (!locked)
 	{
-		if (record_standing(&rec, fingerprint, now) == RECORD_ANSWERS)
+		/*
+		 * Someone holds the key (or this is a hot standby).  A record
+		 * visible to this statement that answers needs no wait and no write.
+		 */
+		if (records_lookup(rel, pkey, GetActiveSnapshot(), scope, key, &rec))
 		{
-			answer_from_record(&rec, fingerprint, now, answer);
+			if (record_standing(&rec, fingerprint, now) == RECORD_ANSWERS)
+			{
+				answer_from_record(&rec, fingerprint, now, answer);
+				index_close(pkey, AccessShareLock);
+				table_close(rel, AccessShareLock);
+				return;
+			}
+			seen_tid = rec.tid;
+		}
+		PreventCommandIfReadOnly("idem_claim()");
+		if (!claim_lock_wait(&tag))
+		{
+			answer->outcome = CLAIM_IN_PROGRESS;
+			answer->retry_after = 1;
 			index_close(pkey, AccessShareLock);
 			table_close(rel, AccessShareLock);
 			return;
 		}
-		seen_tid = rec.tid;
-	}
-
-	mine = claim_log_find(scope, key);
-	if (mine != NULL && mine->state == CLAIM_HELD)
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("idempotency key \"%s\" in scope \"%s\" is already claimed by this transaction",
-						text_to_cstring(key), text_to_cstring(scope)),
-				 errhint("Call idem_succeed() or idem_release() before claiming it again.")));
-
-	PreventCommandIfReadOnly("idem_claim()");
-
-	claim_locktag(&tag, scope, key);
-	if (!claim_lock_acquire(&tag, &already_held, &lock_owner))
-	{
-		answer->outcome = CLAIM_IN_PROGRESS;
-		answer->retry_after = 1;
-		index_close(pkey, AccessShareLock);
-		table_close(rel, AccessShareLock);
-		return;
-	}
-	/* After a wait, leases and expiry are judged at the present time. */
-	if (lock_owner == CurTransactionResourceOwner)
+		/* The wait's subtransaction handed the lock to our transaction. */
+		lock_owner = CurTransactionResourceOwner;
+		/* After a wait, leases and expiry are judged at the present time. */
 		now = GetCurrentTimestamp();
-	lease_expires_at = lease != 0 ? now + lease : 0;
+	}
 
-	/*
-	 * Look again: a winner that committed before we got the lock is visible
-	 * now.  Every writer of a record holds its key's lock, so with the lock in
-	 * hand no change is in flight and SnapshotSelf (committed rows, and ours)
-	 * shows the latest state without the cost of a new MVCC snapshot.
-	 */
 	found = records_lookup(rel, pkey, SnapshotSelf, scope, key, &rec);
-	index_close(pkey, AccessShareLock);
-	table_close(rel, AccessShareLock);
 	standing = found ? record_standing(&rec, fingerprint, now) : RECORD_GONE;
+	mine = claim_log_find(scope, key);
 
 	/*
 	 * A version this transaction's snapshot cannot see must not decide the
 	 * outcome under REPEATABLE READ or SERIALIZABLE.  Our own record (completed
 	 * earlier in this statement) is no conflict.
 	 */
-	if (standing != RECORD_GONE && IsolationUsesXactSnapshot() && mine == NULL &&
-		!ItemPointerEquals(&seen_tid, &rec.tid))
-		ereport(ERROR,
-				(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
-				 errmsg("could not serialize access due to a concurrent claim of idempotency key \"%s\" in scope \"%s\"",
-						text_to_cstring(key), text_to_cstring(scope)),
-				 errdetail("Another transaction changed the key's record after this transaction's snapshot was taken."),
-				 errhint("The transaction might succeed if retried.")));
+	if (standing != RECORD_GONE && IsolationUsesXactSnapshot() && mine == NULL)
+	{
+		IdemRecord	seen;
+
+		if (locked &&
+			records_lookup(rel, pkey, GetActiveSnapshot(), scope, key, &seen))
+			seen_tid = seen.tid;
+		if (!ItemPointerEquals(&seen_tid, &rec.tid))
+			ereport(ERROR,
+					(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+					 errmsg("could not serialize access due to a concurrent claim of idempotency key \"%s\" in scope \"%s\"",
+							text_to_cstring(key), text_to_cstring(scope)),
+					 errdetail("Another transaction changed the key's record after this transaction's snapshot was taken."),
+					 errhint("The transaction might succeed if retried.")));
+	}
+	index_close(pkey, AccessShareLock);
+	table_close(rel, AccessShareLock);
+
+	if (standing != RECORD_ANSWERS)
+	{
+		if (mine != NULL && mine->state == CLAIM_HELD)
+			ereport(ERROR,
+					(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+					 errmsg("idempotency key \"%s\" in scope \"%s\" is already claimed by this transaction",
+							text_to_cstring(key), text_to_cstring(scope)),
+					 errhint("Call idem_succeed() or idem_release() before claiming it again.")));
+		PreventCommandIfReadOnly("idem_claim()");
+	}
+	lease_expires_at = lease != 0 ? now + lease : 0;
 
 	if (standing == RECORD_ANSWERS)
 	{

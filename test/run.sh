@@ -18,7 +18,7 @@ idem_build_install || { echo "build failed"; echo "0 passed, 1 failed"; exit 1; 
 work=$(mktemp -d /tmp/idempotency-test.XXXXXX)
 cp -r sql expected specs t test "$work"/
 [ "$(id -u)" -eq 0 ] && chown -R postgres: "$work"
-mkdir -p "$top/test/results"
+rm -rf "$top/test/results"; mkdir -p "$top/test/results"
 log="$top/test/results/run.log"
 : >"$log"
 

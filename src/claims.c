@@ -355,8 +355,12 @@ claim_check_response(int32 status, Jsonb *body, Jsonb *headers)
 						   size, idem_max_response_bytes)));
 }
 
-/* The advisory lock tag of (scope, key) in this database. */
-static void
+/*
+ * The advisory lock tag of (scope, key) in this database.  The cleanup worker
+ * takes the same lock, without waiting, before it deletes an expired record,
+ * so it never deletes a record under a claim in flight.
+ */
+void
 claim_locktag(LOCKTAG *tag, text *scope, text *key)
 {
 	uint64		h;

@@ -11,6 +11,7 @@
 #include "postgres.h"
 
 #include "fmgr.h"
+#include "storage/lock.h"
 #include "utils/jsonb.h"
 #include "utils/timestamp.h"
 
@@ -56,6 +57,7 @@ extern void claim_check_request(FunctionCallInfo fcinfo);
 extern TimestampTz claim_expiry(FunctionCallInfo fcinfo, int argno, TimestampTz now);
 extern void claim_check_response(int32 status, Jsonb *body, Jsonb *headers);
 
+extern void claim_locktag(LOCKTAG *tag, text *scope, text *key);
 extern void claim_key(text *scope, text *key, bytea *fingerprint,
 					  TimestampTz now, TimestampTz expires_at,
 					  ClaimAnswer *answer);

@@ -166,8 +166,9 @@ records_lookup(Relation rel, Snapshot snapshot, text *scope, text *key,
  * Insert into every index of rel, as CatalogIndexInsert does.  Only plain
  * column indexes can be maintained without an executor state, so an index a
  * DBA added with expressions or a predicate is refused rather than corrupted.
+ * The inbox (inbox.c) maintains its table's indexes with this too.
  */
-static void
+void
 records_index_insert(Relation rel, HeapTuple tuple)
 {
 	CatalogIndexState indstate = CatalogOpenIndexes(rel);
@@ -189,8 +190,8 @@ records_index_insert(Relation rel, HeapTuple tuple)
 			info->ii_ExclusionOps != NULL || !index->rd_index->indimmediate)
 			ereport(ERROR,
 					(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
-					 errmsg("index \"%s\" on idempotency.records is not supported",
-							RelationGetRelationName(index)),
+					 errmsg("index \"%s\" on idempotency.%s is not supported",
+							RelationGetRelationName(index), RelationGetRelationName(rel)),
 					 errdetail("Only immediate indexes on plain columns can be maintained by the extension."),
 					 errhint("Drop the index.")));
 

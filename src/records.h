@@ -11,6 +11,7 @@
 
 #include "postgres.h"
 
+#include "access/htup.h"
 #include "storage/itemptr.h"
 #include "utils/jsonb.h"
 #include "utils/rel.h"
@@ -67,5 +68,6 @@ extern bool records_lookup(Relation rel, Snapshot snapshot, text *scope,
 extern void records_insert(Relation rel, text *scope, text *key,
 						   const IdemRecord *rec);
 extern void records_delete_expired(Relation rel, ItemPointer tid);
+extern void records_index_insert(Relation rel, HeapTuple tuple);
 
 #endif							/* IDEM_RECORDS_H */

@@ -41,6 +41,7 @@
 
 #include "claims.h"
 #include "fingerprint.h"
+#include "stats.h"
 
 int			idem_wait_timeout = 5000;
 int			idem_default_ttl = 86400;
@@ -477,6 +478,20 @@ answer_from_record(IdemRecord *rec, bytea *fingerprint, TimestampTz now,
 	}
 }
 
+/* Count a claim's outcome in the shared statistics (a no-op unless preloaded). */
+static void
+count_outcome(const ClaimAnswer *answer)
+{
+	static const IdemStatCounter counters[] = {
+		[CLAIM_CLAIMED] = IDEM_STAT_CLAIMS,
+		[CLAIM_REPLAY] = IDEM_STAT_REPLAYS,
+		[CLAIM_IN_PROGRESS] = IDEM_STAT_IN_PROGRESS,
+		[CLAIM_MISMATCH] = IDEM_STAT_MISMATCHES,
+	};
+
+	idem_stats_count(counters[answer->outcome]);
+}
+
 /*
  * Claim (scope, key) for this transaction, or say why not.  See the file
  * header for the protocol.
@@ -504,6 +519,7 @@ claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 	{
 		answer_from_record(&rec, fingerprint, now, answer);
 		table_close(rel, AccessShareLock);
+		count_outcome(answer);
 		return;
 	}
 
@@ -523,6 +539,7 @@ claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 		answer->outcome = CLAIM_IN_PROGRESS;
 		answer->retry_after = 1;
 		table_close(rel, AccessShareLock);
+		count_outcome(answer);
 		return;
 	}
 
@@ -546,6 +563,7 @@ claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 		/* Replaying needs no lock: let the next duplicate in at once. */
 		if (!already_held)
 			claim_lock_release(&tag, lock_owner);
+		count_outcome(answer);
 		return;
 	}
 
@@ -568,6 +586,7 @@ claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 	answer->outcome = CLAIM_CLAIMED;
 	answer->token = 1;
 	answer->recovery_point = NULL;
+	count_outcome(answer);
 }
 
 /* The claim of (scope, key) this transaction holds; an error if it holds none. */
@@ -781,6 +800,7 @@ idem_release(PG_FUNCTION_ARGS)
 
 	claim_scope_key_args(fcinfo, &scope, &key);
 	claim_log_append(claim_held(scope, key, "idem_release"), CLAIM_RELEASED);
+	idem_stats_count(IDEM_STAT_RELEASES);
 	PG_RETURN_VOID();
 }
 

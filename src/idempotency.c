@@ -15,16 +15,21 @@
 
 #include "claims.h"
 #include "records.h"
+#include "stats.h"
 
 PG_MODULE_MAGIC;
 
 void		_PG_init(void);
 
-/* Load-time setup: GUCs, transaction callbacks, cache invalidation. */
+/*
+ * Load-time setup: GUCs, transaction callbacks, cache invalidation and, when
+ * preloaded, shared memory for the statistics.
+ */
 void
 _PG_init(void)
 {
 	ClaimsInit();
 	RecordsInit();
+	StatsInit();
 	MarkGUCPrefixReserved("idempotency");
 }

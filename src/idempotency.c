@@ -14,6 +14,7 @@
 #include "utils/guc.h"
 
 #include "claims.h"
+#include "inbox.h"
 #include "records.h"
 #include "stats.h"
 
@@ -30,6 +31,7 @@ _PG_init(void)
 {
 	ClaimsInit();
 	RecordsInit();
+	InboxInit();
 	StatsInit();
 	MarkGUCPrefixReserved("idempotency");
 }

@@ -17,6 +17,7 @@
 #include "inbox.h"
 #include "records.h"
 #include "stats.h"
+#include "worker.h"
 
 PG_MODULE_MAGIC;
 
@@ -24,7 +25,7 @@ void		_PG_init(void);
 
 /*
  * Load-time setup: GUCs, transaction callbacks, cache invalidation and, when
- * preloaded, shared memory for the statistics.
+ * preloaded, shared memory and the cleanup launcher.
  */
 void
 _PG_init(void)
@@ -33,5 +34,6 @@ _PG_init(void)
 	RecordsInit();
 	InboxInit();
 	StatsInit();
+	WorkerInit();
 	MarkGUCPrefixReserved("idempotency");
 }

@@ -1,7 +1,7 @@
 # idempotency: PGXS build.  EXTVERSION is the one source of truth for the
 # extension version.
 EXTENSION = idempotency
-EXTVERSION = 1.0
+EXTVERSION = 1.1
 MODULE_big = idempotency
 OBJS = $(patsubst %.c,%.o,$(wildcard src/*.c))
 DATA = $(wildcard $(EXTENSION)--*.sql)
@@ -16,6 +16,8 @@ SHLIB_LINK += -lcrypto
 # specs/ for pg_isolation_regress, t/ for TAP.  test/run.sh runs them all on a
 # throwaway cluster; REGRESS and ISOLATION also serve `make installcheck`.
 REGRESS = canonical claim errors commit_guard expiry execute privileges contract_tap
+# Background worker, inbox and statistics
+REGRESS += inbox stats upgrade
 ISOLATION = $(patsubst specs/%.spec,%,$(sort $(wildcard specs/*.spec)))
 
 PG_CONFIG ?= pg_config

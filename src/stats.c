@@ -142,10 +142,17 @@ stats_shmem_startup(void)
 	LWLockRelease(AddinShmemInitLock);
 }
 
-/* Define the GUC and, when preloading, install the shared-memory hooks; called from _PG_init. */
+/*
+ * When preloading, define the GUC and install the shared-memory hooks;
+ * called from _PG_init.  A PGC_POSTMASTER setting cannot be defined by a
+ * library loaded later, so without preloading there is no setting either.
+ */
 void
 StatsInit(void)
 {
+	if (!process_shared_preload_libraries_in_progress)
+		return;
+
 	DefineCustomIntVariable("idempotency.max_databases",
 							"Most databases whose idempotency statistics are kept.",
 							"Each database that uses the extension takes one slot of shared memory until the server restarts.",
@@ -154,8 +161,6 @@ StatsInit(void)
 							PGC_POSTMASTER, 0,
 							NULL, NULL, NULL);
 
-	if (!process_shared_preload_libraries_in_progress)
-		return;
 	prev_shmem_request_hook = shmem_request_hook;
 	shmem_request_hook = stats_shmem_request;
 	prev_shmem_startup_hook = shmem_startup_hook;

@@ -711,6 +711,7 @@ idem_worker_main(Datum main_arg)
 	BackgroundWorkerInitializeConnectionByOid(dbid, InvalidOid, 0);
 	strlcpy(worker_dbname, MyBgworkerEntry->bgw_extra, NAMEDATALEN);
 	pgstat_report_appname(IDEM_WORKER_TYPE);
+	pgstat_report_activity(STATE_IDLE, NULL);
 	/* Our transactions are short and never wait: keep them plain. */
 	SetConfigOption("default_transaction_isolation", "read committed",
 					PGC_SUSET, PGC_S_OVERRIDE);

@@ -206,14 +206,18 @@ check_databases(char **newval, void **extra, GucSource source)
 	return ok;
 }
 
-/* The names in idempotency.databases, palloc'd in the current memory context. */
+/*
+ * The names in idempotency.databases, pointing into *raw; both palloc'd in
+ * the current memory context.
+ */
 static List *
-databases_list(void)
+databases_list(char **raw)
 {
 	List	   *names = NIL;
 
 	/* The check hook accepted the value, so it parses. */
-	(void) SplitGUCList(pstrdup(idem_databases ? idem_databases : ""), ',', &names);
+	*raw = pstrdup(idem_databases ? idem_databases : "");
+	(void) SplitGUCList(*raw, ',', &names);
 	return names;
 }
 
@@ -221,7 +225,8 @@ databases_list(void)
 static bool
 database_listed(const char *dbname)
 {
-	List	   *names = databases_list();
+	char	   *raw;
+	List	   *names = databases_list(&raw);
 	ListCell   *lc;
 	bool		found = false;
 
@@ -234,6 +239,7 @@ database_listed(const char *dbname)
 		}
 	}
 	list_free(names);
+	pfree(raw);
 	return found;
 }
 
@@ -865,7 +871,8 @@ launcher_sync(void)
 {
 	TimestampTz now = GetCurrentTimestamp();
 	long		nap = LAUNCHER_NAP_MS;
-	List	   *names = databases_list();
+	char	   *raw;
+	List	   *names = databases_list(&raw);
 	ListCell   *lc;
 
 	foreach(lc, launcher_entries)
@@ -927,6 +934,7 @@ launcher_sync(void)
 			nap = Min(nap, Max(1, TimestampDifferenceMilliseconds(now, e->next_start)));
 	}
 	list_free(names);
+	pfree(raw);
 	return nap;
 }
 

@@ -1,7 +1,7 @@
 # idempotency: PGXS build.  EXTVERSION is the one source of truth for the
 # extension version.
 EXTENSION = idempotency
-EXTVERSION = 1.0
+EXTVERSION = 1.1
 MODULE_big = idempotency
 OBJS = $(patsubst %.c,%.o,$(wildcard src/*.c))
 DATA = $(wildcard $(EXTENSION)--*.sql)
@@ -15,7 +15,11 @@ SHLIB_LINK += -lcrypto
 # Test inputs follow the contrib layout: sql/ and expected/ for pg_regress,
 # specs/ for pg_isolation_regress, t/ for TAP.  test/run.sh runs them all on a
 # throwaway cluster; REGRESS and ISOLATION also serve `make installcheck`.
-REGRESS = canonical claim errors commit_guard expiry execute privileges phases contract_tap upgrade
+REGRESS = canonical claim errors commit_guard expiry execute privileges phases contract_tap
+# Background worker, inbox and statistics
+REGRESS += inbox stats
+# Last: it re-creates the extension in a database of its own.
+REGRESS += upgrade
 ISOLATION = $(patsubst specs/%.spec,%,$(sort $(wildcard specs/*.spec)))
 
 PG_CONFIG ?= pg_config

@@ -33,16 +33,21 @@ idem_install_deps() {
 }
 
 # The PostgreSQL 15 tools, whatever pg_config is first on PATH.
+# IDEM_DESTDIR (optional): install into this staging copy of the installation
+# instead of the system one, and run its binaries, e.g. IDEM_DESTDIR=/tmp/pg4
+# after `cp -a /usr/lib/postgresql /tmp/pg4/usr/lib/` (and /usr/share/postgresql
+# to /tmp/pg4/usr/share/): PostgreSQL finds its share and lib directories
+# relative to its bin directory.  Unset, everything is as before.
 idem_pg_env() {
 	export PG_CONFIG=/usr/lib/postgresql/15/bin/pg_config
-	PG_BINDIR=$("$PG_CONFIG" --bindir)
+	PG_BINDIR=${IDEM_DESTDIR:-}$("$PG_CONFIG" --bindir)
 	PGXS_DIR=$(cd "$(dirname "$("$PG_CONFIG" --pgxs)")/../.." && pwd)
 	export PG_BINDIR PGXS_DIR
 }
 
 idem_build_install() {
 	make -s PG_CONFIG="$PG_CONFIG" >/dev/null
-	make -s PG_CONFIG="$PG_CONFIG" install >/dev/null
+	make -s PG_CONFIG="$PG_CONFIG" install ${IDEM_DESTDIR:+DESTDIR="$IDEM_DESTDIR"} >/dev/null
 }
 
 # Run a command as the unprivileged user "postgres" when we are root:

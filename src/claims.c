@@ -48,6 +48,7 @@
 
 #include "claims.h"
 #include "fingerprint.h"
+#include "stats.h"
 
 int			idem_wait_timeout = 5000;
 int			idem_default_ttl = 86400;
@@ -385,7 +386,11 @@ claim_check_response(int32 status, Jsonb *body, Jsonb *headers)
 						   size, idem_max_response_bytes)));
 }
 
-/* The advisory lock tag of (scope, key) in this database. */
+/*
+ * The advisory lock tag of (scope, key) in this database.  The cleanup worker
+ * takes the same lock, without waiting, before it deletes an expired record,
+ * so it never deletes a record under a claim in flight.
+ */
 void
 claim_locktag(LOCKTAG *tag, text *scope, text *key)
 {
@@ -544,6 +549,20 @@ answer_from_record(IdemRecord *rec, bytea *fingerprint, TimestampTz now,
 	}
 }
 
+/* Count a claim's outcome in the shared statistics (a no-op unless preloaded). */
+static void
+count_outcome(const ClaimAnswer *answer)
+{
+	static const IdemStatCounter counters[] = {
+		[CLAIM_CLAIMED] = IDEM_STAT_CLAIMS,
+		[CLAIM_REPLAY] = IDEM_STAT_REPLAYS,
+		[CLAIM_IN_PROGRESS] = IDEM_STAT_IN_PROGRESS,
+		[CLAIM_MISMATCH] = IDEM_STAT_MISMATCHES,
+	};
+
+	idem_stats_count(counters[answer->outcome]);
+}
+
 /* Take over a multi-phase operation whose lease expired: the next token, a new lease. */
 static void
 claim_takeover(text *scope, text *key, IdemRecord *rec, TimestampTz now,
@@ -570,6 +589,7 @@ claim_takeover(text *scope, text *key, IdemRecord *rec, TimestampTz now,
 	answer->outcome = CLAIM_CLAIMED;
 	answer->token = rec->token;
 	answer->recovery_point = rec->recovery_point;
+	idem_stats_count(IDEM_STAT_TAKEOVERS);
 }
 
 /* Start a multi-phase operation: its 'processing' record commits with this transaction. */
@@ -604,9 +624,9 @@ claim_multi_phase(text *scope, text *key, bytea *fingerprint, TimestampTz now,
  * the length of a multi-phase claim's lease in microseconds: it starts when
  * the claim is granted, after any wait for the key.
  */
-void
-claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
-		  TimestampTz expires_at, int64 lease, ClaimAnswer *answer)
+static void
+claim_decide(text *scope, text *key, bytea *fingerprint, TimestampTz now,
+			 TimestampTz expires_at, int64 lease, ClaimAnswer *answer)
 {
 	Relation	rel;
 	Relation	pkey;
@@ -746,6 +766,15 @@ claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 
 	answer->outcome = CLAIM_CLAIMED;
 	answer->token = 1;
+}
+
+/* Claim (scope, key), or say why not, and count the outcome. */
+void
+claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
+		  TimestampTz expires_at, int64 lease, ClaimAnswer *answer)
+{
+	claim_decide(scope, key, fingerprint, now, expires_at, lease, answer);
+	count_outcome(answer);
 }
 
 /* The claim of (scope, key) this transaction holds; an error if it holds none. */
@@ -968,6 +997,7 @@ idem_release(PG_FUNCTION_ARGS)
 
 	claim_scope_key_args(fcinfo, &scope, &key);
 	claim_log_append(claim_held(scope, key, "idem_release"), CLAIM_RELEASED);
+	idem_stats_count(IDEM_STAT_RELEASES);
 	PG_RETURN_VOID();
 }
 

@@ -63,6 +63,7 @@ extern TimestampTz claim_interval_end(FunctionCallInfo fcinfo, int argno,
 extern TimestampTz claim_expiry(FunctionCallInfo fcinfo, int argno, TimestampTz now);
 extern void claim_check_response(int32 status, Jsonb *body, Jsonb *headers);
 
+extern void claim_locktag(LOCKTAG *tag, text *scope, text *key);
 extern void claim_key(text *scope, text *key, bytea *fingerprint,
 					  TimestampTz now, TimestampTz expires_at,
 					  int64 lease, ClaimAnswer *answer);

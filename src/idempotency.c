@@ -14,17 +14,26 @@
 #include "utils/guc.h"
 
 #include "claims.h"
+#include "inbox.h"
 #include "records.h"
+#include "stats.h"
+#include "worker.h"
 
 PG_MODULE_MAGIC;
 
 void		_PG_init(void);
 
-/* Load-time setup: GUCs, transaction callbacks, cache invalidation. */
+/*
+ * Load-time setup: GUCs, transaction callbacks, cache invalidation and, when
+ * preloaded, shared memory and the cleanup launcher.
+ */
 void
 _PG_init(void)
 {
 	ClaimsInit();
 	RecordsInit();
+	InboxInit();
+	StatsInit();
+	WorkerInit();
 	MarkGUCPrefixReserved("idempotency");
 }

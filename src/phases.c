@@ -31,6 +31,7 @@
 #include "claims.h"
 #include "fingerprint.h"
 #include "records.h"
+#include "stats.h"
 
 /*
  * The record of (scope, key) as it stands now.  The caller holds the key's
@@ -83,6 +84,8 @@ phase_fetch(text *scope, text *key, int64 token, IdemRecord *rec,
 	if (!phase_lookup(scope, key, rec))
 		report_unknown(scope, key, caller);
 	if (rec->token != token)
+	{
+		idem_stats_count(IDEM_STAT_FENCED);
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_FENCED),
 				 errmsg("%s: token " INT64_FORMAT " of idempotency key \"%s\" in scope \"%s\" is no longer current",
@@ -90,6 +93,7 @@ phase_fetch(text *scope, text *key, int64 token, IdemRecord *rec,
 				 errdetail("The operation was taken over; its current token is " INT64_FORMAT ".",
 						   rec->token),
 				 errhint("Stop working on it: its new owner carries on, and nothing this transaction wrote will take effect.")));
+	}
 	if (rec->completed)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
@@ -163,6 +167,7 @@ idem_release_token(PG_FUNCTION_ARGS)
 	phase_fetch(scope, key, phase_token_arg(fcinfo, 2), &rec, "idem_release");
 	rec.lease_expires_at = GetCurrentTimestamp();
 	phase_store(scope, key, &rec);
+	idem_stats_count(IDEM_STAT_RELEASES);
 	PG_RETURN_VOID();
 }
 

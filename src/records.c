@@ -197,8 +197,9 @@ records_lookup(Relation rel, Relation pkey, Snapshot snapshot, text *scope,
  * Insert into every index of rel, as CatalogIndexInsert does.  Only plain
  * column indexes can be maintained without an executor state, so an index a
  * DBA added with expressions or a predicate is refused rather than corrupted.
+ * The inbox (inbox.c) maintains its table's indexes with this too.
  */
-static void
+void
 records_index_insert(Relation rel, HeapTuple tuple)
 {
 	CatalogIndexState indstate;

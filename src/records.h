@@ -11,6 +11,7 @@
 
 #include "postgres.h"
 
+#include "access/htup.h"
 #include "storage/itemptr.h"
 #include "utils/jsonb.h"
 #include "utils/rel.h"
@@ -75,5 +76,6 @@ extern void records_audit(const char *action, text *scope, text *key,
 						  int64 token_before, int64 token_after,
 						  const IdemRecord *rec, text *note);
 extern void records_delete_expired(Relation rel, ItemPointer tid);
+extern void records_index_insert(Relation rel, HeapTuple tuple);
 
 #endif							/* IDEM_RECORDS_H */

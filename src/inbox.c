@@ -1,0 +1,303 @@
+/*-------------------------------------------------------------------------
+ *
+ * inbox.c
+ *	  idem_inbox_accept: take each incoming message into effect once.
+ *
+ * A consumer calls idem_inbox_accept(source, message_id) in the transaction
+ * that applies the message.  The first call inserts a mark into
+ * idempotency.inbox and returns true; the mark commits or rolls back with the
+ * consumer's own writes, so "applied" and "marked" cannot disagree.  A
+ * redelivery finds the committed mark and gets false.
+ *
+ * Concurrent deliveries resolve like claims (claims.c): a live mark visible
+ * to the statement answers false at once, without a lock or a write;
+ * otherwise the caller takes an exclusive advisory lock on a hash of (source,
+ * message_id), held until its transaction ends, and looks again with a fresh
+ * snapshot.  So a second delivery waits for the first consumer's transaction
+ * and gets false if it committed, true if it rolled back.  Under REPEATABLE
+ * READ and SERIALIZABLE a mark committed after the snapshot was taken is a
+ * serialization failure, since the consumer's snapshot does not show the
+ * first delivery's effects.  An expired mark behaves as if it were gone.
+ *
+ * Like the claim path, this uses direct heap and index access, so a caller
+ * needs no privilege on the table.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "access/genam.h"
+#include "access/heapam.h"
+#include "access/htup_details.h"
+#include "access/stratnum.h"
+#include "access/table.h"
+#include "access/xact.h"
+#include "catalog/namespace.h"
+#include "common/hashfn.h"
+#include "miscadmin.h"
+#include "storage/lmgr.h"
+#include "utils/builtins.h"
+#include "utils/fmgroids.h"
+#include "utils/inval.h"
+#include "utils/lsyscache.h"
+#include "utils/snapmgr.h"
+
+#include "claims.h"
+#include "inbox.h"
+#include "records.h"
+#include "stats.h"
+
+#define INBOX_SCHEMA	"idempotency"
+#define INBOX_TABLE		"inbox"
+#define INBOX_PKEY		"inbox_pkey"
+
+/* Cached OIDs, reset by relcache invalidation (DROP/ALTER EXTENSION). */
+static Oid	inbox_relid = InvalidOid;
+static Oid	inbox_pkey_relid = InvalidOid;
+
+/* Forget the cached OIDs when the table may have been dropped or rebuilt. */
+static void
+inbox_relcache_callback(Datum arg, Oid relid)
+{
+	if (relid == InvalidOid || relid == inbox_relid || relid == inbox_pkey_relid)
+	{
+		inbox_relid = InvalidOid;
+		inbox_pkey_relid = InvalidOid;
+	}
+}
+
+/* Register the cache callback; called once from _PG_init. */
+void
+InboxInit(void)
+{
+	CacheRegisterRelcacheCallback(inbox_relcache_callback, (Datum) 0);
+}
+
+/* Open idempotency.inbox, with a clear error if the installed version lacks it. */
+static Relation
+inbox_open(LOCKMODE lockmode)
+{
+	if (!OidIsValid(inbox_relid))
+	{
+		Oid			nspid = get_namespace_oid(INBOX_SCHEMA, true);
+
+		if (OidIsValid(nspid))
+		{
+			inbox_relid = get_relname_relid(INBOX_TABLE, nspid);
+			inbox_pkey_relid = get_relname_relid(INBOX_PKEY, nspid);
+		}
+		if (!OidIsValid(inbox_relid) || !OidIsValid(inbox_pkey_relid))
+		{
+			inbox_relid = inbox_pkey_relid = InvalidOid;
+			ereport(ERROR,
+					(errcode(ERRCODE_UNDEFINED_TABLE),
+					 errmsg("table idempotency.inbox does not exist"),
+					 errhint("Run ALTER EXTENSION idempotency UPDATE.")));
+		}
+	}
+	return table_open(inbox_relid, lockmode);
+}
+
+/* The advisory lock tag of (source, message_id) in this database. */
+void
+inbox_locktag(LOCKTAG *tag, text *source, text *message_id)
+{
+	uint64		h;
+
+	h = hash_bytes_extended((const unsigned char *) VARDATA_ANY(source),
+							VARSIZE_ANY_EXHDR(source), 0);
+	h = hash_bytes_extended((const unsigned char *) VARDATA_ANY(message_id),
+							VARSIZE_ANY_EXHDR(message_id), h);
+	SET_LOCKTAG_ADVISORY(*tag, MyDatabaseId, (uint32) (h >> 32), (uint32) h,
+						 IDEM_INBOX_LOCK_CLASS);
+}
+
+/* What a lookup found: where the mark is, when it expires, whether we wrote it. */
+typedef struct InboxMark
+{
+	ItemPointerData tid;
+	TimestampTz expires_at;
+	bool		mine;			/* inserted by this transaction */
+} InboxMark;
+
+/* Find the mark of (source, message_id) visible to snapshot; false if there is none. */
+static bool
+inbox_lookup(Relation rel, Snapshot snapshot, text *source, text *message_id,
+			 InboxMark *mark)
+{
+	ScanKeyData skey[2];
+	SysScanDesc scan;
+	HeapTuple	tuple;
+	bool		found = false;
+
+	/* The key columns are COLLATE "C", as are ScanKeyInit's scan keys. */
+	ScanKeyInit(&skey[0], Anum_inbox_source, BTEqualStrategyNumber,
+				F_TEXTEQ, PointerGetDatum(source));
+	ScanKeyInit(&skey[1], Anum_inbox_message_id, BTEqualStrategyNumber,
+				F_TEXTEQ, PointerGetDatum(message_id));
+
+	scan = systable_beginscan(rel, inbox_pkey_relid, true, snapshot, 2, skey);
+	tuple = systable_getnext(scan);
+	if (HeapTupleIsValid(tuple))
+	{
+		bool		isnull;
+
+		mark->tid = tuple->t_self;
+		mark->expires_at = DatumGetTimestampTz(heap_getattr(tuple, Anum_inbox_expires_at,
+															RelationGetDescr(rel), &isnull));
+		mark->mine = TransactionIdIsCurrentTransactionId(HeapTupleHeaderGetXmin(tuple->t_data));
+		found = true;
+	}
+	systable_endscan(scan);
+	return found;
+}
+
+/* Insert a mark; the caller holds its advisory lock, the primary key stays the last line of defence. */
+static void
+inbox_insert(Relation rel, text *source, text *message_id,
+			 TimestampTz accepted_at, TimestampTz expires_at)
+{
+	Datum		values[Natts_inbox];
+	bool		nulls[Natts_inbox];
+	HeapTuple	tuple;
+
+	memset(nulls, false, sizeof(nulls));
+	values[Anum_inbox_source - 1] = PointerGetDatum(source);
+	values[Anum_inbox_message_id - 1] = PointerGetDatum(message_id);
+	values[Anum_inbox_accepted_at - 1] = TimestampTzGetDatum(accepted_at);
+	values[Anum_inbox_expires_at - 1] = TimestampTzGetDatum(expires_at);
+
+	tuple = heap_form_tuple(RelationGetDescr(rel), values, nulls);
+	simple_heap_insert(rel, tuple);
+	records_index_insert(rel, tuple);
+	heap_freetuple(tuple);
+
+	/* Make the mark visible to the rest of this transaction. */
+	CommandCounterIncrement();
+}
+
+/* A text argument that must not be NULL. */
+static text *
+inbox_arg_text(FunctionCallInfo fcinfo, int argno, const char *name)
+{
+	if (PG_ARGISNULL(argno))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("%s must not be null", name)));
+	return PG_GETARG_TEXT_PP(argno);
+}
+
+/*
+ * Validate source and message id: both non-empty and at most 255 bytes; the
+ * message id without control characters (it is often a UUID or a number, but
+ * any other printable text, non-ASCII included, is accepted).
+ */
+static void
+inbox_check_args(text *source, text *message_id)
+{
+	int			source_len = VARSIZE_ANY_EXHDR(source);
+	int			id_len = VARSIZE_ANY_EXHDR(message_id);
+	const unsigned char *id = (const unsigned char *) VARDATA_ANY(message_id);
+
+	if (source_len == 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("source must not be empty")));
+	if (source_len > IDEM_MAX_SOURCE_LEN)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("source is too long"),
+				 errdetail("A source has at most %d bytes; this one has %d.",
+						   IDEM_MAX_SOURCE_LEN, source_len)));
+	if (id_len == 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("message id must not be empty")));
+	if (id_len > IDEM_MAX_MESSAGE_ID_LEN)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("message id is too long"),
+				 errdetail("A message id has at most %d bytes; this one has %d.",
+						   IDEM_MAX_MESSAGE_ID_LEN, id_len)));
+	for (int i = 0; i < id_len; i++)
+		if (id[i] < 0x20 || id[i] == 0x7F)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("message id must not contain control characters"),
+					 errdetail("Byte %d of the message id is 0x%02x.", i + 1, id[i])));
+}
+
+PG_FUNCTION_INFO_V1(idem_inbox_accept);
+
+/*
+ * idem_inbox_accept(source, message_id, ttl): true the first time the message
+ * is seen, false for a duplicate.  See the file header for the protocol.
+ */
+Datum
+idem_inbox_accept(PG_FUNCTION_ARGS)
+{
+	text	   *source = inbox_arg_text(fcinfo, 0, "source");
+	text	   *message_id = inbox_arg_text(fcinfo, 1, "message_id");
+	TimestampTz now = GetCurrentTimestamp();
+	TimestampTz expires_at;
+	Relation	rel;
+	InboxMark	mark;
+	LOCKTAG		tag;
+	LockAcquireResult res;
+	Snapshot	snapshot;
+	bool		found;
+
+	inbox_check_args(source, message_id);
+	expires_at = claim_expiry(fcinfo, 2, now);
+
+	rel = inbox_open(AccessShareLock);
+
+	/* A live mark visible to this statement: a duplicate, no lock, no write. */
+	if (inbox_lookup(rel, GetActiveSnapshot(), source, message_id, &mark) &&
+		mark.expires_at > now)
+	{
+		table_close(rel, AccessShareLock);
+		idem_stats_count(IDEM_STAT_INBOX_DUPLICATES);
+		PG_RETURN_BOOL(false);
+	}
+
+	PreventCommandIfReadOnly("idem_inbox_accept()");
+
+	/* Wait for a concurrent delivery's transaction, then look again. */
+	inbox_locktag(&tag, source, message_id);
+	res = LockAcquire(&tag, ExclusiveLock, false, false);
+
+	snapshot = RegisterSnapshot(GetLatestSnapshot());
+	found = inbox_lookup(rel, snapshot, source, message_id, &mark);
+	UnregisterSnapshot(snapshot);
+	table_close(rel, AccessShareLock);
+
+	if (found && mark.expires_at > now)
+	{
+		/* Our own mark (from earlier in this statement) is no conflict. */
+		if (IsolationUsesXactSnapshot() && !mark.mine)
+			ereport(ERROR,
+					(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+					 errmsg("could not serialize access due to a concurrent delivery of message \"%s\" from source \"%s\"",
+							text_to_cstring(message_id), text_to_cstring(source)),
+					 errdetail("Another transaction accepted the message after this transaction's snapshot was taken."),
+					 errhint("The transaction might succeed if retried.")));
+		/* A duplicate needs no lock: let the next delivery in at once. */
+		if (res == LOCKACQUIRE_OK)
+			LockRelease(&tag, ExclusiveLock, false);
+		idem_stats_count(IDEM_STAT_INBOX_DUPLICATES);
+		PG_RETURN_BOOL(false);
+	}
+
+	rel = inbox_open(RowExclusiveLock);
+	if (found)
+	{
+		/* An expired mark behaves as if it were gone: remove it for ours. */
+		records_delete_expired(rel, &mark.tid);
+	}
+	inbox_insert(rel, source, message_id, now, expires_at);
+	table_close(rel, RowExclusiveLock);
+
+	idem_stats_count(IDEM_STAT_INBOX_ACCEPTED);
+	PG_RETURN_BOOL(true);
+}

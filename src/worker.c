@@ -1,0 +1,993 @@
+/*-------------------------------------------------------------------------
+ *
+ * worker.c
+ *	  Background cleanup of expired records and inbox marks.
+ *
+ * Deduplication lasts as long as a record, and the records must not pile up
+ * without bound.  With the library in shared_preload_libraries, a launcher
+ * (one static background worker, started once recovery has finished, so
+ * never on a hot standby, and after a promotion without a restart) starts one
+ * cleanup worker per database listed in idempotency.databases, and starts it
+ * again if it exits.  Each worker makes a pass over idempotency.records and
+ * idempotency.inbox every idempotency.cleanup_interval.
+ *
+ * A pass walks a table once in physical order and deletes what had expired
+ * when the pass started, in batches of at most idempotency.cleanup_batch_size
+ * rows, each batch its own short transaction.  A batch reads a window of
+ * blocks with a TID range scan that starts where the previous batch stopped,
+ * so the dead rows earlier batches left behind are not read again and a
+ * backlog of millions of rows costs one pass, not one pass per batch.
+ *
+ * For each expired row the pass takes the key's claim lock (claims.c) or the
+ * message's inbox lock (inbox.c) without waiting, then deletes the row
+ * through the heap, again without waiting; if either is held by someone else
+ * the row is left for the next pass.  A claim in flight deletes an expired
+ * record itself while holding that lock, so it never sees the record vanish
+ * between its two lookups, and a replay reads with its own snapshot, which a
+ * delete does not disturb.  Records in state 'processing' are never deleted:
+ * they are counted and reported instead.  Only one advisory lock is held at a
+ * time, so a large batch does not fill the shared lock table.
+ *
+ * idem_cleanup() runs the same pass in the caller's transaction; the tests
+ * use it to race a retry against cleanup deterministically.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include <limits.h>
+
+#include "access/genam.h"
+#include "access/htup_details.h"
+#include "access/stratnum.h"
+#include "access/table.h"
+#include "access/tableam.h"
+#include "access/xact.h"
+#include "access/xlog.h"
+#include "catalog/namespace.h"
+#include "catalog/pg_database.h"
+#include "catalog/pg_type.h"
+#include "commands/extension.h"
+#include "executor/spi.h"
+#include "miscadmin.h"
+#include "pgstat.h"
+#include "postmaster/bgworker.h"
+#include "postmaster/interrupt.h"
+#include "storage/bufmgr.h"
+#include "storage/ipc.h"
+#include "storage/latch.h"
+#include "storage/lmgr.h"
+#include "storage/proc.h"
+#include "tcop/tcopprot.h"
+#include "utils/builtins.h"
+#include "utils/fmgroids.h"
+#include "utils/guc.h"
+#include "utils/lsyscache.h"
+#include "utils/memutils.h"
+#include "utils/snapmgr.h"
+#include "utils/timestamp.h"
+#include "utils/varlena.h"
+
+#include "claims.h"
+#include "inbox.h"
+#include "stats.h"
+#include "worker.h"
+
+/* What pg_stat_activity shows as backend_type and application_name. */
+#define IDEM_LAUNCHER_TYPE	"idempotency launcher"
+#define IDEM_WORKER_TYPE	"idempotency cleanup"
+
+/* Blocks one batch reads at most: bounds a batch's time where little expired. */
+#define CLEANUP_WINDOW_BLOCKS	4096
+
+/* How long the launcher waits before starting an exited worker again. */
+#define WORKER_RESTART_DELAY_MS 10000
+/* How often the launcher looks again for a listed database that is missing. */
+#define DATABASE_RECHECK_MS		60000
+/* The launcher's longest sleep; worker exits wake it earlier. */
+#define LAUNCHER_NAP_MS			10000
+
+int			idem_cleanup_interval = 60;
+int			idem_cleanup_batch_size = 10000;
+char	   *idem_databases = NULL;
+
+/* One table the pass cleans. */
+typedef void (*CleanupLockTag) (LOCKTAG *tag, text *a, text *b);
+
+typedef struct CleanupTarget
+{
+	const char *relname;		/* in schema idempotency */
+	const char *query;			/* expired rows of a TID window */
+	const char *activity;		/* for pg_stat_activity */
+	CleanupLockTag locktag;		/* the lock a claim or delivery holds */
+	bool		required;		/* false: absent before extension version 1.1 */
+	SPIPlanPtr	plan;			/* saved on first use */
+} CleanupTarget;
+
+/*
+ * $1 and $2 bound the TID window, $3 is the pass's start, $4 the batch size.
+ * Operators are schema-qualified because idem_cleanup() runs under the
+ * caller's search_path.
+ */
+#define CLEANUP_WINDOW_SQL \
+	" WHERE ctid OPERATOR(pg_catalog.>) $1 AND ctid OPERATOR(pg_catalog.<) $2" \
+	" AND expires_at OPERATOR(pg_catalog.<) $3 LIMIT $4"
+
+static CleanupTarget cleanup_targets[] = {
+	{
+		"records",
+		"SELECT ctid, scope, key, state OPERATOR(pg_catalog.=) 'processing', expires_at"
+		" FROM idempotency.records" CLEANUP_WINDOW_SQL,
+		"deleting expired rows of idempotency.records",
+		claim_locktag, true, NULL
+	},
+	{
+		"inbox",
+		"SELECT ctid, source, message_id, false, expires_at"
+		" FROM idempotency.inbox" CLEANUP_WINDOW_SQL,
+		"deleting expired rows of idempotency.inbox",
+		inbox_locktag, false, NULL
+	},
+};
+
+#define NUM_CLEANUP_TARGETS lengthof(cleanup_targets)
+
+/* The progress of one pass. */
+typedef struct CleanupPass
+{
+	TimestampTz started_at;		/* rows that expired before this are due */
+	int			batch_size;
+	int64		deleted;
+	int64		processing;		/* due 'processing' records left in place */
+	TimestampTz oldest_left;	/* oldest due row left to a claim in flight, or 0 */
+	/* the table being cleaned */
+	BlockNumber nblocks;		/* its size when its scan began */
+	ItemPointerData cursor;		/* rows after this one are still to be seen */
+	bool		table_done;
+} CleanupPass;
+
+/* What happened to one due row. */
+typedef enum CleanupRowResult
+{
+	ROW_DELETED,
+	ROW_LEFT,					/* a claim or delivery in flight holds it */
+	ROW_GONE					/* deleted or replaced by someone else */
+} CleanupRowResult;
+
+/* The worker's database, from bgw_extra. */
+static char worker_dbname[NAMEDATALEN];
+
+/*
+ * Check hook of idempotency.databases: a comma-separated list of database
+ * names (double-quoted where they contain commas or spaces), each at most
+ * NAMEDATALEN - 1 bytes, none twice.
+ */
+static bool
+check_databases(char **newval, void **extra, GucSource source)
+{
+	char	   *raw = pstrdup(*newval);
+	List	   *names;
+	ListCell   *lc;
+	bool		ok = true;
+
+	if (!SplitGUCList(raw, ',', &names))
+	{
+		GUC_check_errdetail("List syntax is invalid.");
+		ok = false;
+	}
+	else
+	{
+		foreach(lc, names)
+		{
+			const char *name = lfirst(lc);
+
+			if (strlen(name) >= NAMEDATALEN)
+			{
+				GUC_check_errdetail("Database name \"%s\" is longer than %d bytes.",
+									name, NAMEDATALEN - 1);
+				ok = false;
+				break;
+			}
+			for (ListCell *prev = list_head(names); prev != lc; prev = lnext(names, prev))
+			{
+				if (strcmp(lfirst(prev), name) == 0)
+				{
+					GUC_check_errdetail("Database \"%s\" is listed more than once.", name);
+					ok = false;
+					break;
+				}
+			}
+			if (!ok)
+				break;
+		}
+	}
+	list_free(names);
+	pfree(raw);
+	return ok;
+}
+
+/*
+ * The names in idempotency.databases, pointing into *raw; both palloc'd in
+ * the current memory context.
+ */
+static List *
+databases_list(char **raw)
+{
+	List	   *names = NIL;
+
+	/* The check hook accepted the value, so it parses. */
+	*raw = pstrdup(idem_databases ? idem_databases : "");
+	(void) SplitGUCList(*raw, ',', &names);
+	return names;
+}
+
+/* Whether dbname is listed in idempotency.databases. */
+static bool
+database_listed(const char *dbname)
+{
+	char	   *raw;
+	List	   *names = databases_list(&raw);
+	ListCell   *lc;
+	bool		found = false;
+
+	foreach(lc, names)
+	{
+		if (strcmp(lfirst(lc), dbname) == 0)
+		{
+			found = true;
+			break;
+		}
+	}
+	list_free(names);
+	pfree(raw);
+	return found;
+}
+
+/* Define the GUCs and, when preloading, register the launcher; called from _PG_init. */
+void
+WorkerInit(void)
+{
+	BackgroundWorker worker;
+
+	DefineCustomIntVariable("idempotency.cleanup_interval",
+							"Time between two cleanup passes of a database.",
+							"Each pass deletes the records and inbox marks that had expired when it started.",
+							&idem_cleanup_interval,
+							60, 1, INT_MAX / 1000,
+							PGC_SIGHUP, GUC_UNIT_S,
+							NULL, NULL, NULL);
+	DefineCustomIntVariable("idempotency.cleanup_batch_size",
+							"Most rows one cleanup transaction deletes.",
+							NULL,
+							&idem_cleanup_batch_size,
+							10000, 1, 1000000,
+							PGC_SIGHUP, 0,
+							NULL, NULL, NULL);
+	DefineCustomStringVariable("idempotency.databases",
+							   "Databases whose expired records a background worker deletes.",
+							   "A comma-separated list of database names; one cleanup worker runs per database. Needs idempotency in shared_preload_libraries.",
+							   &idem_databases,
+							   "",
+							   PGC_SIGHUP, GUC_LIST_INPUT,
+							   check_databases, NULL, NULL);
+
+	if (!process_shared_preload_libraries_in_progress || IsBinaryUpgrade)
+		return;
+
+	memset(&worker, 0, sizeof(worker));
+	worker.bgw_flags = BGWORKER_SHMEM_ACCESS | BGWORKER_BACKEND_DATABASE_CONNECTION;
+	worker.bgw_start_time = BgWorkerStart_RecoveryFinished;
+	worker.bgw_restart_time = WORKER_RESTART_DELAY_MS / 1000;
+	strlcpy(worker.bgw_library_name, "idempotency", BGW_MAXLEN);
+	strlcpy(worker.bgw_function_name, "idem_launcher_main", BGW_MAXLEN);
+	strlcpy(worker.bgw_name, IDEM_LAUNCHER_TYPE, BGW_MAXLEN);
+	strlcpy(worker.bgw_type, IDEM_LAUNCHER_TYPE, BGW_MAXLEN);
+	RegisterBackgroundWorker(&worker);
+}
+
+/* The OID of idempotency.<relname> if the extension is installed, else InvalidOid. */
+static Oid
+cleanup_relid(const char *relname)
+{
+	Oid			nspid;
+
+	if (!OidIsValid(get_extension_oid("idempotency", true)))
+		return InvalidOid;
+	nspid = get_namespace_oid("idempotency", true);
+	if (!OidIsValid(nspid))
+		return InvalidOid;
+	return get_relname_relid(relname, nspid);
+}
+
+/*
+ * Delete one due row, unless a claim or delivery of its key is in flight or
+ * another transaction holds the row.  The key's lock is held only around the
+ * delete.
+ */
+static CleanupRowResult
+cleanup_row(CleanupTarget *target, Relation rel, ItemPointer tid, text *a, text *b)
+{
+	LOCKTAG		tag;
+	LockAcquireResult res;
+	TM_Result	result;
+	TM_FailureData tmfd;
+
+	target->locktag(&tag, a, b);
+	res = LockAcquire(&tag, ExclusiveLock, false, true);
+	if (res == LOCKACQUIRE_NOT_AVAIL)
+		return ROW_LEFT;
+	if (res != LOCKACQUIRE_OK)
+	{
+		/* This transaction claimed the key itself (idem_cleanup): leave it. */
+		LockRelease(&tag, ExclusiveLock, false);
+		return ROW_LEFT;
+	}
+
+	result = table_tuple_delete(rel, tid, GetCurrentCommandId(true),
+								InvalidSnapshot, InvalidSnapshot,
+								false, &tmfd, false);
+	LockRelease(&tag, ExclusiveLock, false);
+
+	switch (result)
+	{
+		case TM_Ok:
+			return ROW_DELETED;
+		case TM_BeingModified:
+			return ROW_LEFT;
+		case TM_Updated:
+		case TM_Deleted:
+		case TM_SelfModified:
+			return ROW_GONE;
+		default:
+			elog(ERROR, "unexpected table_tuple_delete status: %u", result);
+	}
+	return ROW_GONE;			/* keep the compiler quiet */
+}
+
+/* Start the pass over a table: from its first block to its current end. */
+static void
+cleanup_table_begin(CleanupPass *pass, Relation rel)
+{
+	pass->nblocks = RelationGetNumberOfBlocks(rel);
+	ItemPointerSet(&pass->cursor, 0, 0);	/* offset 0: before the first row */
+	pass->table_done = false;
+}
+
+/*
+ * One batch: read up to batch_size due rows of the next window of blocks
+ * and delete them.  Runs as the table's owner, inside an SPI connection, in
+ * whatever transaction the caller has open; returns the rows deleted.
+ */
+static int64
+cleanup_batch(CleanupTarget *target, Relation rel, CleanupPass *pass)
+{
+	BlockNumber start = ItemPointerGetBlockNumberNoCheck(&pass->cursor);
+	BlockNumber end;
+	ItemPointerData end_tid;
+	ItemPointerData last;
+	Datum		args[4];
+	int			ret;
+	uint64		nrows;
+	int64		deleted = 0;
+
+	if (start >= pass->nblocks)
+	{
+		pass->table_done = true;
+		return 0;
+	}
+	end = (pass->nblocks - start > CLEANUP_WINDOW_BLOCKS) ?
+		start + CLEANUP_WINDOW_BLOCKS : pass->nblocks;
+	ItemPointerSet(&end_tid, end, 0);
+
+	if (target->plan == NULL)
+	{
+		Oid			argtypes[4] = {TIDOID, TIDOID, TIMESTAMPTZOID, INT8OID};
+		SPIPlanPtr	plan;
+
+		/* A generic plan keeps the TID range scan whatever the estimates. */
+		plan = SPI_prepare_cursor(target->query, 4, argtypes, CURSOR_OPT_GENERIC_PLAN);
+		if (plan == NULL)
+			elog(ERROR, "SPI_prepare_cursor failed: %s", SPI_result_code_string(SPI_result));
+		if (SPI_keepplan(plan) != 0)
+			elog(ERROR, "SPI_keepplan failed");
+		target->plan = plan;
+	}
+
+	args[0] = PointerGetDatum(&pass->cursor);
+	args[1] = PointerGetDatum(&end_tid);
+	args[2] = TimestampTzGetDatum(pass->started_at);
+	args[3] = Int64GetDatum(pass->batch_size);
+	ret = SPI_execute_plan(target->plan, args, NULL, false, 0);
+	if (ret != SPI_OK_SELECT)
+		elog(ERROR, "cleanup query returned %s", SPI_result_code_string(ret));
+
+	nrows = SPI_processed;
+	last = pass->cursor;
+	for (uint64 i = 0; i < nrows; i++)
+	{
+		HeapTuple	tuple = SPI_tuptable->vals[i];
+		TupleDesc	desc = SPI_tuptable->tupdesc;
+		bool		isnull;
+		ItemPointerData tid;
+		text	   *a;
+		text	   *b;
+		bool		processing;
+		TimestampTz expires_at;
+
+		CHECK_FOR_INTERRUPTS();
+		tid = *(ItemPointer) DatumGetPointer(SPI_getbinval(tuple, desc, 1, &isnull));
+		a = DatumGetTextPP(SPI_getbinval(tuple, desc, 2, &isnull));
+		b = DatumGetTextPP(SPI_getbinval(tuple, desc, 3, &isnull));
+		processing = DatumGetBool(SPI_getbinval(tuple, desc, 4, &isnull));
+		expires_at = DatumGetTimestampTz(SPI_getbinval(tuple, desc, 5, &isnull));
+
+		if (ItemPointerCompare(&tid, &last) > 0)
+			last = tid;
+		if (processing)
+		{
+			pass->processing++;
+			continue;
+		}
+		switch (cleanup_row(target, rel, &tid, a, b))
+		{
+			case ROW_DELETED:
+				deleted++;
+				break;
+			case ROW_LEFT:
+				if (pass->oldest_left == 0 || expires_at < pass->oldest_left)
+					pass->oldest_left = expires_at;
+				break;
+			case ROW_GONE:
+				break;
+		}
+	}
+	SPI_freetuptable(SPI_tuptable);
+
+	/* A full batch may have more in this window; otherwise the window is done. */
+	if (nrows >= (uint64) pass->batch_size)
+		pass->cursor = last;
+	else
+		ItemPointerSet(&pass->cursor, end, 0);
+	pass->deleted += deleted;
+	return deleted;
+}
+
+/* Switch to the owner of rel for the pass's queries; *save keeps what to restore. */
+static void
+cleanup_become_owner(Relation rel, Oid *save_userid, int *save_sec_context)
+{
+	GetUserIdAndSecContext(save_userid, save_sec_context);
+	SetUserIdAndSecContext(rel->rd_rel->relowner,
+						   *save_sec_context | SECURITY_LOCAL_USERID_CHANGE |
+						   SECURITY_RESTRICTED_OPERATION);
+}
+
+/* Note a finished pass in the statistics. */
+static void
+cleanup_report(const CleanupPass *pass)
+{
+	IdemCleanupReport report;
+
+	report.started_at = pass->started_at;
+	report.finished_at = GetCurrentTimestamp();
+	report.oldest_left = pass->oldest_left;
+	report.expired_processing = pass->processing;
+	idem_stats_report_cleanup(&report);
+}
+
+PG_FUNCTION_INFO_V1(idem_cleanup);
+
+/*
+ * idem_cleanup(batch_size): one cleanup pass over this database, in the
+ * caller's transaction; returns the number of rows deleted.  The worker runs
+ * the same batches, each in its own transaction.
+ */
+Datum
+idem_cleanup(PG_FUNCTION_ARGS)
+{
+	CleanupPass pass;
+
+	memset(&pass, 0, sizeof(pass));
+	pass.batch_size = PG_ARGISNULL(0) ? idem_cleanup_batch_size : PG_GETARG_INT32(0);
+	if (pass.batch_size < 1)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("batch_size must be positive"),
+				 errdetail("The batch_size given was %d.", pass.batch_size)));
+	PreventCommandIfReadOnly("idem_cleanup()");
+	pass.started_at = GetCurrentTimestamp();
+
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+	for (int t = 0; t < NUM_CLEANUP_TARGETS; t++)
+	{
+		CleanupTarget *target = &cleanup_targets[t];
+		Oid			relid = cleanup_relid(target->relname);
+		Relation	rel;
+		Oid			save_userid;
+		int			save_sec_context;
+
+		if (!OidIsValid(relid))
+		{
+			if (target->required)
+				ereport(ERROR,
+						(errcode(ERRCODE_UNDEFINED_TABLE),
+						 errmsg("extension \"idempotency\" is not installed in this database"),
+						 errhint("Run CREATE EXTENSION idempotency.")));
+			continue;
+		}
+		rel = table_open(relid, RowExclusiveLock);
+		cleanup_become_owner(rel, &save_userid, &save_sec_context);
+		cleanup_table_begin(&pass, rel);
+		while (!pass.table_done)
+			(void) cleanup_batch(target, rel, &pass);
+		SetUserIdAndSecContext(save_userid, save_sec_context);
+		table_close(rel, NoLock);
+	}
+	SPI_finish();
+
+	idem_stats_add(IDEM_STAT_ROWS_DELETED, pass.deleted);
+	cleanup_report(&pass);
+	PG_RETURN_INT64(pass.deleted);
+}
+
+/*
+ * The worker's reaction to SIGHUP: reread the configuration, and stop when
+ * this database is no longer listed.
+ */
+static void
+worker_reload_if_pending(void)
+{
+	if (!ConfigReloadPending)
+		return;
+	ConfigReloadPending = false;
+	ProcessConfigFile(PGC_SIGHUP);
+	if (!database_listed(worker_dbname))
+	{
+		ereport(LOG,
+				(errmsg("idempotency cleanup worker for database \"%s\" is stopping", worker_dbname),
+				 errdetail("The database is no longer listed in idempotency.databases.")));
+		proc_exit(0);
+	}
+}
+
+/* Whether the extension is installed here; logs when that changes. */
+static bool
+worker_extension_present(void)
+{
+	static bool absent_logged = false;
+	bool		present;
+
+	SetCurrentStatementStartTimestamp();
+	StartTransactionCommand();
+	present = OidIsValid(cleanup_relid("records"));
+	CommitTransactionCommand();
+
+	if (!present && !absent_logged)
+	{
+		ereport(LOG,
+				(errmsg("extension \"idempotency\" is not installed in database \"%s\"", worker_dbname),
+				 errdetail("Its cleanup worker does nothing until the extension is created."),
+				 errhint("Run CREATE EXTENSION idempotency in that database, or remove it from idempotency.databases.")));
+		absent_logged = true;
+	}
+	else if (!present)
+		elog(DEBUG1, "idempotency cleanup of database \"%s\" skipped: extension not installed",
+			 worker_dbname);
+	else if (absent_logged)
+	{
+		ereport(LOG,
+				(errmsg("extension \"idempotency\" is now installed in database \"%s\"; cleanup starts",
+						worker_dbname)));
+		absent_logged = false;
+	}
+	return present;
+}
+
+typedef enum WorkerBatchResult
+{
+	BATCH_DONE,					/* the batch ran */
+	BATCH_ABSENT,				/* the table does not exist */
+	BATCH_BUSY					/* the table is locked (DROP, ALTER, TRUNCATE ...) */
+} WorkerBatchResult;
+
+/*
+ * One batch of the worker's pass, in its own transaction, as worker_spi does
+ * its work.  The table is locked without waiting: a DROP EXTENSION or a
+ * TRUNCATE in progress makes the pass give up until the next interval.
+ */
+static WorkerBatchResult
+worker_batch(CleanupTarget *target, CleanupPass *pass, bool first)
+{
+	WorkerBatchResult result = BATCH_DONE;
+	int64		deleted = 0;
+	Oid			relid;
+
+	SetCurrentStatementStartTimestamp();
+	StartTransactionCommand();
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+	PushActiveSnapshot(GetTransactionSnapshot());
+	pgstat_report_activity(STATE_RUNNING, target->activity);
+
+	relid = cleanup_relid(target->relname);
+	if (!OidIsValid(relid))
+		result = BATCH_ABSENT;
+	else if (!ConditionalLockRelationOid(relid, RowExclusiveLock))
+		result = BATCH_BUSY;
+	else if (cleanup_relid(target->relname) != relid)
+		result = BATCH_ABSENT;	/* dropped while we waited for nothing */
+	else
+	{
+		Relation	rel = table_open(relid, NoLock);
+		Oid			save_userid;
+		int			save_sec_context;
+
+		cleanup_become_owner(rel, &save_userid, &save_sec_context);
+		if (first)
+			cleanup_table_begin(pass, rel);
+		deleted = cleanup_batch(target, rel, pass);
+		SetUserIdAndSecContext(save_userid, save_sec_context);
+		table_close(rel, NoLock);
+	}
+
+	SPI_finish();
+	PopActiveSnapshot();
+	CommitTransactionCommand();
+	/* Counted once committed: a batch that failed deleted nothing. */
+	idem_stats_add(IDEM_STAT_ROWS_DELETED, deleted);
+	pgstat_report_stat(false);
+	pgstat_report_activity(STATE_IDLE, NULL);
+	return result;
+}
+
+/*
+ * One pass over this database: every table, batch after batch, until each
+ * has been walked to its end or the worker is asked to stop (SIGTERM ends
+ * the process at the next CHECK_FOR_INTERRUPTS, rolling back the batch).
+ */
+static void
+worker_pass(void)
+{
+	static int64 processing_logged = 0;
+	CleanupPass pass;
+
+	if (!worker_extension_present())
+		return;
+
+	memset(&pass, 0, sizeof(pass));
+	pass.started_at = GetCurrentTimestamp();
+	pass.batch_size = idem_cleanup_batch_size;
+
+	for (int t = 0; t < NUM_CLEANUP_TARGETS; t++)
+	{
+		CleanupTarget *target = &cleanup_targets[t];
+		bool		first = true;
+
+		do
+		{
+			WorkerBatchResult result = worker_batch(target, &pass, first);
+
+			if (result == BATCH_ABSENT && !target->required && first)
+				break;			/* an older extension version: no such table */
+			if (result != BATCH_DONE)
+			{
+				elog(DEBUG1, "idempotency cleanup of database \"%s\" ends early: idempotency.%s is %s",
+					 worker_dbname, target->relname,
+					 result == BATCH_BUSY ? "locked" : "gone");
+				return;
+			}
+			first = false;
+			CHECK_FOR_INTERRUPTS();
+			worker_reload_if_pending();
+			pass.batch_size = idem_cleanup_batch_size;
+		} while (!pass.table_done);
+	}
+
+	cleanup_report(&pass);
+	elog(DEBUG1, "idempotency cleanup of database \"%s\": %lld rows deleted",
+		 worker_dbname, (long long) pass.deleted);
+	if (pass.processing != processing_logged)
+	{
+		if (pass.processing > 0)
+			ereport(LOG,
+					(errmsg("%lld expired records of database \"%s\" are still in state 'processing'",
+							(long long) pass.processing, worker_dbname),
+					 errdetail("Cleanup leaves them in place: an operation that never finished needs a look.")));
+		processing_logged = pass.processing;
+	}
+}
+
+/*
+ * Main function of a per-database cleanup worker: a pass at start, then one
+ * every idempotency.cleanup_interval.  It never holds a transaction open
+ * while it sleeps.
+ */
+void
+idem_worker_main(Datum main_arg)
+{
+	Oid			dbid = DatumGetObjectId(main_arg);
+	TimestampTz last_pass = 0;
+	int			registered;
+
+	pqsignal(SIGHUP, SignalHandlerForConfigReload);
+	pqsignal(SIGTERM, die);
+	BackgroundWorkerUnblockSignals();
+
+	BackgroundWorkerInitializeConnectionByOid(dbid, InvalidOid, 0);
+	strlcpy(worker_dbname, MyBgworkerEntry->bgw_extra, NAMEDATALEN);
+	pgstat_report_appname(IDEM_WORKER_TYPE);
+	pgstat_report_activity(STATE_IDLE, NULL);
+	/* Our transactions are short and never wait: keep them plain. */
+	SetConfigOption("default_transaction_isolation", "read committed",
+					PGC_SUSET, PGC_S_OVERRIDE);
+
+	registered = idem_stats_register_worker();
+	if (registered != 0 && registered != MyProcPid)
+	{
+		ereport(LOG,
+				(errmsg("idempotency cleanup worker for database \"%s\" is already running with PID %d",
+						worker_dbname, registered)));
+		proc_exit(0);
+	}
+	ereport(LOG,
+			(errmsg("idempotency cleanup worker started for database \"%s\"", worker_dbname),
+			 errdetail("A pass every %d s, in batches of at most %d rows.",
+					   idem_cleanup_interval, idem_cleanup_batch_size)));
+
+	for (;;)
+	{
+		TimestampTz now;
+		TimestampTz next;
+
+		CHECK_FOR_INTERRUPTS();
+		worker_reload_if_pending();
+
+		now = GetCurrentTimestamp();
+		next = TimestampTzPlusMilliseconds(last_pass, (int64) idem_cleanup_interval * 1000);
+		if (last_pass == 0 || now >= next)
+		{
+			last_pass = now;
+			if (RecoveryInProgress())
+				elog(DEBUG1, "idempotency cleanup skipped: recovery is in progress");
+			else
+				worker_pass();
+			continue;
+		}
+
+		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+						 TimestampDifferenceMilliseconds(now, next),
+						 PG_WAIT_EXTENSION);
+		ResetLatch(MyLatch);
+	}
+}
+
+/* The launcher's view of one listed database. */
+typedef struct LauncherEntry
+{
+	char		dbname[NAMEDATALEN];
+	BackgroundWorkerHandle *handle; /* the worker we started, or NULL */
+	TimestampTz next_start;		/* when to try to start one (again) */
+	bool		listed;
+	bool		missing_logged; /* "does not exist" was logged */
+} LauncherEntry;
+
+static List *launcher_entries = NIL;	/* in TopMemoryContext */
+
+/*
+ * The OID of a database by name, in a short transaction of the launcher.
+ * Without a database of its own the launcher cannot use catalog indexes, so
+ * it scans pg_database's heap, as the autovacuum launcher does.
+ */
+static Oid
+launcher_database_oid(const char *dbname)
+{
+	MemoryContext cxt = CurrentMemoryContext;
+	Oid			dbid = InvalidOid;
+	Relation	rel;
+	ScanKeyData key;
+	SysScanDesc scan;
+	HeapTuple	tuple;
+
+	SetCurrentStatementStartTimestamp();
+	StartTransactionCommand();
+	rel = table_open(DatabaseRelationId, AccessShareLock);
+	ScanKeyInit(&key, Anum_pg_database_datname, BTEqualStrategyNumber,
+				F_NAMEEQ, CStringGetDatum(dbname));
+	scan = systable_beginscan(rel, DatabaseNameIndexId, false, NULL, 1, &key);
+	tuple = systable_getnext(scan);
+	if (HeapTupleIsValid(tuple))
+		dbid = ((Form_pg_database) GETSTRUCT(tuple))->oid;
+	systable_endscan(scan);
+	table_close(rel, AccessShareLock);
+	CommitTransactionCommand();
+	MemoryContextSwitchTo(cxt);
+	return dbid;
+}
+
+/* Start the cleanup worker of one listed database, or say why not and when to try again. */
+static void
+launcher_start_worker(LauncherEntry *e, TimestampTz now)
+{
+	BackgroundWorker worker;
+	MemoryContext oldcxt;
+	Oid			dbid = launcher_database_oid(e->dbname);
+	bool		started;
+
+	if (!OidIsValid(dbid))
+	{
+		if (!e->missing_logged)
+			ereport(WARNING,
+					(errmsg("database \"%s\" listed in idempotency.databases does not exist", e->dbname),
+					 errdetail("No cleanup worker runs for it; the launcher looks for it again every %d s.",
+							   DATABASE_RECHECK_MS / 1000)));
+		e->missing_logged = true;
+		e->next_start = TimestampTzPlusMilliseconds(now, DATABASE_RECHECK_MS);
+		return;
+	}
+	e->missing_logged = false;
+
+	/* A worker started before this launcher restarted still serves it. */
+	if (idem_stats_worker_pid(dbid) != 0)
+	{
+		e->next_start = TimestampTzPlusMilliseconds(now, LAUNCHER_NAP_MS);
+		return;
+	}
+
+	memset(&worker, 0, sizeof(worker));
+	worker.bgw_flags = BGWORKER_SHMEM_ACCESS | BGWORKER_BACKEND_DATABASE_CONNECTION;
+	worker.bgw_start_time = BgWorkerStart_RecoveryFinished;
+	worker.bgw_restart_time = BGW_NEVER_RESTART;	/* the launcher restarts it */
+	strlcpy(worker.bgw_library_name, "idempotency", BGW_MAXLEN);
+	strlcpy(worker.bgw_function_name, "idem_worker_main", BGW_MAXLEN);
+	snprintf(worker.bgw_name, BGW_MAXLEN, "idempotency cleanup for database %s", e->dbname);
+	strlcpy(worker.bgw_type, IDEM_WORKER_TYPE, BGW_MAXLEN);
+	worker.bgw_main_arg = ObjectIdGetDatum(dbid);
+	strlcpy(worker.bgw_extra, e->dbname, BGW_EXTRALEN);
+	worker.bgw_notify_pid = MyProcPid;
+
+	oldcxt = MemoryContextSwitchTo(TopMemoryContext);
+	started = RegisterDynamicBackgroundWorker(&worker, &e->handle);
+	MemoryContextSwitchTo(oldcxt);
+	if (!started)
+	{
+		e->handle = NULL;
+		ereport(WARNING,
+				(errmsg("could not start the idempotency cleanup worker for database \"%s\"", e->dbname),
+				 errdetail("No background worker slot is free."),
+				 errhint("Raise max_worker_processes: the launcher and one worker per listed database each need one.")));
+		e->next_start = TimestampTzPlusMilliseconds(now, WORKER_RESTART_DELAY_MS);
+	}
+}
+
+/*
+ * Bring the running workers in line with idempotency.databases: start the
+ * missing ones, start again those that exited (after a delay), forget the
+ * unlisted ones (they stop themselves on the same reload).  Returns how long
+ * the launcher may sleep.
+ */
+static long
+launcher_sync(void)
+{
+	TimestampTz now = GetCurrentTimestamp();
+	long		nap = LAUNCHER_NAP_MS;
+	char	   *raw;
+	List	   *names = databases_list(&raw);
+	ListCell   *lc;
+
+	foreach(lc, launcher_entries)
+		((LauncherEntry *) lfirst(lc))->listed = false;
+	foreach(lc, names)
+	{
+		const char *name = lfirst(lc);
+		LauncherEntry *e = NULL;
+		ListCell   *lc2;
+
+		foreach(lc2, launcher_entries)
+		{
+			if (strcmp(((LauncherEntry *) lfirst(lc2))->dbname, name) == 0)
+				e = lfirst(lc2);
+		}
+		if (e == NULL)
+		{
+			MemoryContext oldcxt = MemoryContextSwitchTo(TopMemoryContext);
+
+			e = palloc0(sizeof(LauncherEntry));
+			strlcpy(e->dbname, name, NAMEDATALEN);
+			launcher_entries = lappend(launcher_entries, e);
+			MemoryContextSwitchTo(oldcxt);
+		}
+		e->listed = true;
+	}
+
+	foreach(lc, launcher_entries)
+	{
+		LauncherEntry *e = lfirst(lc);
+
+		if (!e->listed)
+		{
+			if (e->handle)
+				pfree(e->handle);
+			pfree(e);
+			launcher_entries = foreach_delete_current(launcher_entries, lc);
+			continue;
+		}
+		if (e->handle != NULL)
+		{
+			pid_t		pid;
+			BgwHandleStatus status = GetBackgroundWorkerPid(e->handle, &pid);
+
+			if (status == BGWH_POSTMASTER_DIED)
+				proc_exit(1);
+			if (status != BGWH_STOPPED)
+				continue;
+			pfree(e->handle);
+			e->handle = NULL;
+			e->next_start = TimestampTzPlusMilliseconds(now, WORKER_RESTART_DELAY_MS);
+			ereport(LOG,
+					(errmsg("idempotency cleanup worker for database \"%s\" exited; starting it again in %d s",
+							e->dbname, WORKER_RESTART_DELAY_MS / 1000)));
+		}
+		if (now >= e->next_start)
+			launcher_start_worker(e, now);
+		if (e->handle == NULL)
+			nap = Min(nap, Max(1, TimestampDifferenceMilliseconds(now, e->next_start)));
+	}
+	list_free(names);
+	pfree(raw);
+	return nap;
+}
+
+/*
+ * Main function of the launcher.  It connects to no database (it reads only
+ * the shared catalog pg_database) and never runs during recovery: the
+ * postmaster starts it once the server accepts writes, so a promoted standby
+ * starts cleaning without a restart.
+ */
+void
+idem_launcher_main(Datum main_arg)
+{
+	MemoryContext cxt;
+	bool		empty_logged = false;
+
+	pqsignal(SIGHUP, SignalHandlerForConfigReload);
+	pqsignal(SIGTERM, die);
+	BackgroundWorkerUnblockSignals();
+
+	BackgroundWorkerInitializeConnection(NULL, NULL, 0);
+	pgstat_report_appname(IDEM_LAUNCHER_TYPE);
+	cxt = AllocSetContextCreate(TopMemoryContext, "idempotency launcher",
+								ALLOCSET_DEFAULT_SIZES);
+
+	for (;;)
+	{
+		long		nap;
+
+		CHECK_FOR_INTERRUPTS();
+		if (ConfigReloadPending)
+		{
+			ConfigReloadPending = false;
+			ProcessConfigFile(PGC_SIGHUP);
+		}
+		if (idem_databases == NULL || idem_databases[0] == '\0')
+		{
+			if (!empty_logged)
+				ereport(LOG,
+						(errmsg("idempotency.databases is empty: no idempotency cleanup worker runs"),
+						 errdetail("Expired records are deleted only when their key is claimed again."),
+						 errhint("List the databases that use the extension in idempotency.databases and reload.")));
+			empty_logged = true;
+		}
+		else
+			empty_logged = false;
+
+		MemoryContextSwitchTo(cxt);
+		nap = launcher_sync();
+		MemoryContextSwitchTo(TopMemoryContext);
+		MemoryContextReset(cxt);
+
+		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+						 nap, PG_WAIT_EXTENSION);
+		ResetLatch(MyLatch);
+	}
+}

@@ -1,0 +1,77 @@
+# kill -9 of the cleanup worker in the middle of a batch: crash recovery
+# rolls the batch back, nothing that had not expired is lost, and the worker
+# comes back on its own and finishes the backlog.
+use strict;
+use warnings;
+
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+
+my $node = PostgreSQL::Test::Cluster->new('main');
+$node->init;
+# A long interval: the backlog is loaded while the worker sleeps, then a
+# reload with a short interval starts the pass.
+$node->append_conf('postgresql.conf', qq{
+shared_preload_libraries = 'idempotency'
+restart_after_crash = on
+idempotency.databases = 'postgres'
+idempotency.cleanup_interval = '1h'
+idempotency.cleanup_batch_size = 100
+});
+$node->start;
+$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
+
+# 400000 expired records with 40000 live ones spread among them.
+$node->safe_psql('postgres', q{
+	INSERT INTO idempotency.records (scope, key, state, fingerprint, status, body, token,
+									 created_at, completed_at, expires_at)
+	SELECT 'crash', 'k' || g, 'completed', idem_fingerprint('{}'), 201, '{"n": 1}', 1,
+		   now() - interval '1 day', now() - interval '1 day',
+		   CASE WHEN g % 11 = 0 THEN now() + interval '1 day' ELSE now() - interval '1 hour' END
+	  FROM generate_series(1, 440000) g;
+});
+my $live_sql = q{SELECT count(*) || ' ' || coalesce(sum(hashtext(key)), 0)
+				   FROM idempotency.records WHERE expires_at > now()};
+my $live_before = $node->safe_psql('postgres', $live_sql);
+like($live_before, qr/^40000 /, '40000 live records among the backlog');
+
+# Start the pass and kill the worker while a batch is open.
+my $watch = $node->background_psql('postgres');
+$node->append_conf('postgresql.conf', "idempotency.cleanup_interval = 1");
+$node->reload;
+my $pid = '';
+for (my $i = 0; $i < 20000 && $pid eq ''; $i++)
+{
+	$pid = $watch->query_safe(q{
+		SELECT pid FROM pg_stat_activity
+		 WHERE backend_type = 'idempotency cleanup' AND state = 'active'
+		   AND xact_start IS NOT NULL AND query LIKE 'deleting expired rows of idempotency.records'});
+	chomp $pid;
+}
+isnt($pid, '', 'caught the worker inside a batch');
+my $expired_at_kill = $watch->query_safe(
+	q{SELECT count(*) FROM idempotency.records WHERE expires_at < now()});
+kill 'KILL', $pid;
+$watch->{run}->kill_kill;
+chomp $expired_at_kill;
+cmp_ok($expired_at_kill, '>', 0, "the backlog was not done at the kill ($expired_at_kill expired rows left)");
+cmp_ok($expired_at_kill, '<', 400000, 'and some batches had committed');
+
+# Crash recovery, then the launcher starts the worker again and it finishes.
+$node->poll_query_until('postgres', 'SELECT true') or die 'the server did not come back';
+ok($node->log_contains(qr/background worker "idempotency cleanup" \(PID $pid\) was terminated by signal 9/),
+	'the server went through crash recovery');
+$node->poll_query_until('postgres',
+	q{SELECT count(*) FROM idempotency.records WHERE expires_at < now()}, '0')
+  or die 'the worker did not finish after the crash';
+pass('the worker came back and deleted the rest of the backlog');
+isnt($node->safe_psql('postgres',
+		q{SELECT pid FROM pg_stat_activity WHERE backend_type = 'idempotency cleanup'}),
+	$pid, 'a new worker process');
+is($node->safe_psql('postgres', $live_sql), $live_before, 'every live record is still there');
+is($node->safe_psql('postgres', q{SELECT count(*) FROM idempotency.records}), '40000',
+	'and nothing else');
+
+$node->stop;
+done_testing();

@@ -9,11 +9,14 @@
  * catalogs.  Direct access also means callers need no privilege on the table,
  * which no role but the owner can read.
  *
- * The invariant the callers rely on: every writer of a record (a claim that
- * stores or replaces it, a multi-phase call, an operator's resolution, the
- * cleanup worker) holds the key's advisory lock until its transaction ends.
- * With that lock in hand, no change to the record can be in flight, so a
- * lookup with SnapshotSelf sees its latest committed state.
+ * The invariant the callers rely on: every writer of a live record (a claim
+ * that stores or replaces it, a multi-phase call, an operator's resolution)
+ * holds the key's advisory lock until its transaction ends.  With that lock
+ * in hand, no change to a live record can be in flight, so a lookup with
+ * SnapshotSelf sees its latest committed state.  The cleanup worker deletes
+ * only expired rows, which claims treat as absent anyway: it holds the key's
+ * lock just around each delete, and a claim that meets a row it is deleting
+ * waits for that delete in records_delete_expired.
  *
  *-------------------------------------------------------------------------
  */

@@ -10,12 +10,13 @@ PGFILEDESC = "idempotency - retried operations that take effect once"
 PG_CPPFLAGS = -I$(srcdir)/src
 PG_CFLAGS = -Wall -Wextra -Werror -Wno-unused-parameter \
 	-Wno-missing-field-initializers -Wno-sign-compare
-SHLIB_LINK += -lcrypto
+SHLIB_LINK += -lcrypto -lcurl
 
 # Test inputs follow the contrib layout: sql/ and expected/ for pg_regress,
 # specs/ for pg_isolation_regress, t/ for TAP.  test/run.sh runs them all on a
 # throwaway cluster; REGRESS and ISOLATION also serve `make installcheck`.
-REGRESS = canonical claim errors commit_guard expiry execute privileges phases contract_tap upgrade
+REGRESS = canonical claim errors commit_guard expiry execute privileges phases contract_tap \
+	outbox outbox_errors outbox_privileges upgrade
 ISOLATION = $(patsubst specs/%.spec,%,$(sort $(wildcard specs/*.spec)))
 
 PG_CONFIG ?= pg_config

@@ -14,6 +14,7 @@
 #include "utils/guc.h"
 
 #include "claims.h"
+#include "outbox.h"
 #include "records.h"
 
 PG_MODULE_MAGIC;
@@ -26,5 +27,6 @@ _PG_init(void)
 {
 	ClaimsInit();
 	RecordsInit();
+	OutboxInit();
 	MarkGUCPrefixReserved("idempotency");
 }

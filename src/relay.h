@@ -1,0 +1,50 @@
+/*-------------------------------------------------------------------------
+ *
+ * relay.h
+ *	  The outbox relay: what the per-database background worker calls.
+ *
+ * The worker's loop (not inside a transaction) calls relay_run() when its
+ * latch is set or when relay_next_due() has come, and outbox_cleanup() now
+ * and then.  Both manage their own transactions when called outside one, and
+ * work inside the caller's transaction otherwise (the SQL entry points
+ * idem_outbox_relay and idem_outbox_cleanup).  An error propagates to the
+ * caller, whose error handling must abort the transaction.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEM_RELAY_H
+#define IDEM_RELAY_H
+
+#include "postgres.h"
+
+#include "datatype/timestamp.h"
+
+/*
+ * One relay pass in the current database: claim up to max_events due
+ * deliveries across all active destinations, deliver them, record the
+ * outcomes.  Returns the number of deliveries attempted.
+ */
+extern int64 relay_run(int max_events);
+
+/*
+ * The earliest next_attempt_at of a pending delivery of an active
+ * destination (the visibility deadline of a claimed one included), or 0 if
+ * there is none: the worker can sleep until then.
+ */
+extern TimestampTz relay_next_due(void);
+
+/*
+ * Remove deliveries delivered longer than idempotency.outbox_retention ago,
+ * and events older than that with no delivery left, in batches of batch
+ * rows.  Returns the number of events removed.
+ */
+extern int64 outbox_cleanup(int batch);
+
+/*
+ * Wake the relay of database dbid.  Called at commit by every transaction
+ * that published an event (or made dead letters or a paused destination
+ * deliverable again).  Defined in relay_wakeup.c.
+ */
+extern void WorkerWakeRelay(Oid dbid);
+
+#endif							/* IDEM_RELAY_H */

@@ -210,9 +210,14 @@ CREATE INDEX deliveries_undelivered ON idempotency.deliveries (destination_id, k
 CREATE INDEX deliveries_delivered_at ON idempotency.deliveries (delivered_at)
 	WHERE state = 'delivered';
 
-/* Counters of each destination since its creation, updated once per relay pass. */
+/*
+ * Counters of each destination since its creation.  Each relay pass appends
+ * one row of increments per destination instead of updating a shared row, so
+ * concurrent relays never wait for each other here; cleanup folds the rows
+ * of a destination into one, and the view sums them.
+ */
 CREATE TABLE idempotency.destination_stats (
-	destination_id		int4 PRIMARY KEY,
+	destination_id		int4 NOT NULL,
 	delivered			int8 NOT NULL DEFAULT 0,
 	retried				int8 NOT NULL DEFAULT 0,	-- failed attempts rescheduled
 	dead_lettered		int8 NOT NULL DEFAULT 0,
@@ -221,6 +226,7 @@ CREATE TABLE idempotency.destination_stats (
 	last_latency_us		int8,
 	last_delivered_at	timestamptz
 );
+CREATE INDEX destination_stats_destination ON idempotency.destination_stats (destination_id);
 
 SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox', '');
 SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_seq', '');
@@ -309,8 +315,8 @@ SELECT d.name AS destination, d.kind,
 	   coalesce(s.delivered, 0) AS delivered,
 	   coalesce(s.retried, 0) AS retried,
 	   coalesce(s.dead_lettered, 0) AS dead_lettered,
-	   coalesce(q.dead, 0) AS dead,
-	   coalesce(q.backlog, 0) AS backlog,
+	   q.dead,
+	   q.backlog,
 	   now() - q.oldest_pending AS oldest_pending_age,
 	   coalesce(s.redelivered, 0) AS redelivered,
 	   CASE WHEN s.delivered > 0
@@ -318,7 +324,14 @@ SELECT d.name AS destination, d.kind,
 	   make_interval(secs => s.last_latency_us / 1e6) AS last_latency,
 	   s.last_delivered_at
   FROM idempotency.destinations d
-  LEFT JOIN idempotency.destination_stats s ON s.destination_id = d.id
+  LEFT JOIN LATERAL (
+		SELECT sum(delivered) AS delivered, sum(retried) AS retried,
+			   sum(dead_lettered) AS dead_lettered, sum(redelivered) AS redelivered,
+			   sum(latency_sum_us) AS latency_sum_us,
+			   (array_agg(last_latency_us ORDER BY last_delivered_at DESC NULLS LAST))[1] AS last_latency_us,
+			   max(last_delivered_at) AS last_delivered_at
+		  FROM idempotency.destination_stats
+		 WHERE destination_id = d.id) s ON true
   LEFT JOIN LATERAL (
 		SELECT count(*) FILTER (WHERE x.state = 'pending') AS backlog,
 			   count(*) FILTER (WHERE x.state = 'dead') AS dead,

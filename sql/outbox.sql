@@ -197,8 +197,23 @@ SELECT idem_outbox_relay(NULL);
 
 -- Retention: delivered events older than idempotency.outbox_retention go;
 -- dead letters (and their events) stay.
+-- Cleanup also folds the statistics, one row of increments per relay pass
+-- and destination, into one row per destination, without changing them.
 SELECT count(*) AS events_before FROM idempotency.outbox;
+SELECT count(*) > count(DISTINCT destination_id) AS several_rows_per_destination
+  FROM idempotency.destination_stats;
+CREATE TEMP TABLE stats_before AS
+SELECT destination, delivered, retried, dead_lettered, redelivered, avg_latency, last_latency,
+	   last_delivered_at FROM idem_outbox_stats;
 SELECT idem_outbox_cleanup() AS removed_with_default_retention;
+SELECT count(*) = count(DISTINCT destination_id) AS one_row_per_destination
+  FROM idempotency.destination_stats;
+(SELECT * FROM stats_before EXCEPT
+ SELECT destination, delivered, retried, dead_lettered, redelivered, avg_latency, last_latency,
+		last_delivered_at FROM idem_outbox_stats)
+UNION ALL
+(SELECT destination, delivered, retried, dead_lettered, redelivered, avg_latency, last_latency,
+		last_delivered_at FROM idem_outbox_stats EXCEPT SELECT * FROM stats_before);
 SET idempotency.outbox_retention = 0;
 SELECT idem_outbox_cleanup(2) AS removed;
 RESET idempotency.outbox_retention;

@@ -535,14 +535,12 @@ idem_destination_create(PG_FUNCTION_ARGS)
 	values[11] = Int64GetDatum(o.backoff_cap_ms);
 	values[12] = Int64GetDatum(o.timeout_ms);
 
-	if (dest_execute("WITH d AS ("
-					 " INSERT INTO idempotency.destinations AS d"
+	if (dest_execute("INSERT INTO idempotency.destinations"
 					 "  (name, kind, target, topics, func, run_as, search_path, options,"
 					 "   secrets, headers, max_attempts, backoff_base_ms, backoff_cap_ms, timeout_ms)"
 					 " VALUES ($1, $2, $3, $4, $5::regprocedure, $6, $7,"
 					 "  $8 - '{secret,secrets,headers}'::text[], $9, $8 -> 'headers', $10, $11, $12, $13)"
-					 " ON CONFLICT (name) DO NOTHING RETURNING id)"
-					 " INSERT INTO idempotency.destination_stats (destination_id) SELECT id FROM d",
+					 " ON CONFLICT (name) DO NOTHING",
 					 13, argtypes, values, nulls, SPI_OK_INSERT) == 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_DUPLICATE_OBJECT),

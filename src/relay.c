@@ -86,6 +86,7 @@ static SPIPlanPtr next_due_plan = NULL;
 static SPIPlanPtr cleanup_deliveries_plan = NULL;
 static SPIPlanPtr cleanup_orphans_plan = NULL;
 static SPIPlanPtr cleanup_events_plan = NULL;
+static SPIPlanPtr fold_stats_plan = NULL;
 
 /* A transaction step of a pass, in its own transaction or in the caller's. */
 typedef struct RelayStep
@@ -529,8 +530,9 @@ relay_call_function(RelayItem *it, MemoryContext cxt)
 }
 
 /*
- * Step 3b: record every outcome in one statement, and add the pass's
- * counts to each destination's counters.  A failure is rescheduled with
+ * Step 3b: record every outcome in one statement, and append the pass's
+ * counts to each destination's counters (a row of increments, which no
+ * other relay waits for).  A failure is rescheduled with
  * exponential backoff and full jitter, or dead after max_attempts; a result
  * is recorded only while the claim stands (a success always is).
  */
@@ -609,24 +611,18 @@ relay_record(RelayItem **items, int n)
 						 "    AND d.state = 'pending'"
 						 "    AND (r.state = 'delivered' OR d.attempts = r.attempts)"
 						 " RETURNING r.*)"
-						 " UPDATE idempotency.destination_stats s"
-						 "    SET delivered = s.delivered + a.delivered,"
-						 "        retried = s.retried + a.retried,"
-						 "        dead_lettered = s.dead_lettered + a.dead,"
-						 "        redelivered = s.redelivered + a.redelivered,"
-						 "        latency_sum_us = s.latency_sum_us + a.latency_sum,"
-						 "        last_latency_us = coalesce(a.last_latency, s.last_latency_us),"
-						 "        last_delivered_at = coalesce(a.last_at, s.last_delivered_at)"
-						 "   FROM (SELECT destination_id,"
-						 "                count(*) FILTER (WHERE state = 'delivered') AS delivered,"
-						 "                count(*) FILTER (WHERE state = 'pending') AS retried,"
-						 "                count(*) FILTER (WHERE state = 'dead') AS dead,"
-						 "                count(*) FILTER (WHERE interrupted) AS redelivered,"
-						 "                coalesce(sum(latency_us) FILTER (WHERE state = 'delivered'), 0) AS latency_sum,"
-						 "                (array_agg(latency_us ORDER BY n DESC) FILTER (WHERE state = 'delivered'))[1] AS last_latency,"
-						 "                max(at) FILTER (WHERE state = 'delivered') AS last_at"
-						 "           FROM u GROUP BY destination_id) a"
-						 "  WHERE s.destination_id = a.destination_id",
+						 " INSERT INTO idempotency.destination_stats"
+						 "  (destination_id, delivered, retried, dead_lettered, redelivered,"
+						 "   latency_sum_us, last_latency_us, last_delivered_at)"
+						 " SELECT destination_id,"
+						 "        count(*) FILTER (WHERE state = 'delivered'),"
+						 "        count(*) FILTER (WHERE state = 'pending'),"
+						 "        count(*) FILTER (WHERE state = 'dead'),"
+						 "        count(*) FILTER (WHERE interrupted),"
+						 "        coalesce(sum(latency_us) FILTER (WHERE state = 'delivered'), 0),"
+						 "        (array_agg(latency_us ORDER BY n DESC) FILTER (WHERE state = 'delivered'))[1],"
+						 "        max(at) FILTER (WHERE state = 'delivered')"
+						 "   FROM u GROUP BY destination_id",
 						 9, argtypes);
 
 	values[0] = relay_array(cols[0], NULL, m, UUIDOID);
@@ -638,7 +634,7 @@ relay_record(RelayItem **items, int n)
 	values[6] = relay_array(cols[6], error_nulls, m, TEXTOID);
 	values[7] = relay_array(cols[7], NULL, m, INT8OID);
 	values[8] = relay_array(cols[8], NULL, m, BOOLOID);
-	if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_UPDATE)
+	if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_INSERT)
 		elog(ERROR, "could not record outbox delivery outcomes");
 }
 
@@ -860,6 +856,28 @@ outbox_cleanup(int batch)
 						  cutoff, batch);
 		relay_step_end(&step);
 	} while (n >= (uint64) batch);
+
+	/*
+	 * Fold each destination's rows of counter increments into one (and drop
+	 * those of dropped destinations).  Rows a relay appends meanwhile are not
+	 * seen by the delete, and stay.
+	 */
+	if (!relay_step_begin(&step, "idempotency relay: cleanup"))
+		return 0;
+	relay_prepare(&fold_stats_plan,
+				  "WITH gone AS (DELETE FROM idempotency.destination_stats RETURNING *)"
+				  " INSERT INTO idempotency.destination_stats"
+				  " SELECT destination_id, sum(delivered), sum(retried), sum(dead_lettered),"
+				  "        sum(redelivered), sum(latency_sum_us),"
+				  "        (array_agg(last_latency_us ORDER BY last_delivered_at DESC NULLS LAST))[1],"
+				  "        max(last_delivered_at)"
+				  "   FROM gone"
+				  "  WHERE EXISTS (SELECT FROM idempotency.destinations t WHERE t.id = gone.destination_id)"
+				  "  GROUP BY destination_id",
+				  0, NULL);
+	if (SPI_execute_plan(fold_stats_plan, NULL, NULL, false, 0) != SPI_OK_INSERT)
+		elog(ERROR, "could not fold outbox statistics");
+	relay_step_end(&step);
 
 	/* Events past the retention that no delivery refers to any more. */
 	do

@@ -36,7 +36,8 @@ extern TimestampTz relay_next_due(void);
 /*
  * Remove deliveries delivered longer than idempotency.outbox_retention ago,
  * and events older than that with no delivery left, in batches of batch
- * rows.  Returns the number of events removed.
+ * rows; fold the per-pass statistics rows.  Returns the number of events
+ * removed.
  */
 extern int64 outbox_cleanup(int batch);
 

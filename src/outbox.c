@@ -61,6 +61,7 @@ int			outbox_retention = 7 * 86400;
 int			relay_batch_size = 1000;
 int			relay_max_in_flight = 64;
 int			outbox_max_event_bytes = 1024 * 1024;
+int			relay_visibility_margin = 30000;
 
 /* Set by idem_publish (and the operator functions): wake the relay at commit. */
 static bool wake_at_commit = false;
@@ -132,6 +133,13 @@ OutboxInit(void)
 							&relay_max_in_flight,
 							64, 1, 10000,
 							PGC_SUSET, 0,
+							NULL, NULL, NULL);
+	DefineCustomIntVariable("idempotency.relay_visibility_margin",
+							"How long past the time its HTTP requests may take a claimed delivery stays hidden from other relays.",
+							"A relay that dies leaves its claims to be taken again after this; too short, and a slow relay's deliveries are sent twice.",
+							&relay_visibility_margin,
+							30000, 0, INT_MAX,
+							PGC_SUSET, GUC_UNIT_MS,
 							NULL, NULL, NULL);
 	DefineCustomIntVariable("idempotency.max_event_bytes",
 							"Largest event idem_publish accepts, payload and headers together.",

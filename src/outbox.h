@@ -67,17 +67,12 @@ typedef enum DestKind
 #define DEST_DEFAULT_BACKOFF_CAP	3600000		/* ms: one hour */
 #define DEST_DEFAULT_TIMEOUT		10000		/* ms */
 
-/*
- * How long after its visibility deadline's timeout a claimed delivery stays
- * invisible to other relays: room for recording the outcome.
- */
-#define RELAY_VISIBILITY_MARGIN_MS	30000
-
 /* GUCs */
 extern int	outbox_retention;
 extern int	relay_batch_size;
 extern int	relay_max_in_flight;
 extern int	outbox_max_event_bytes;
+extern int	relay_visibility_margin;
 
 /* Running SQL as the extension's owner, with a safe search_path. */
 typedef struct OutboxOwnerState

@@ -10,8 +10,11 @@
  *	   share the work), skipping any whose key has an earlier delivery to the
  *	   same destination still undelivered (per-key order).  Each claimed
  *	   delivery's attempt count goes up by one and its next_attempt_at becomes
- *	   a visibility deadline (now + timeout + margin): if this relay dies, the
- *	   delivery is claimed again after it.  visible_until records that the
+ *	   a visibility deadline: if this relay dies, the delivery is claimed
+ *	   again after it.  The deadline covers the whole pass, the same for
+ *	   every delivery of the batch: as many waves of relay_max_in_flight
+ *	   requests as the batch may need, each as long as the largest HTTP
+ *	   timeout, plus idempotency.relay_visibility_margin.  visible_until records that the
  *	   outcome is outstanding, so a later claim knows the attempt was
  *	   interrupted and counts the repeat as a possible duplicate.
  *
@@ -268,8 +271,8 @@ relay_item_cmp(const void *a, const void *b)
 static int
 relay_claim(int max_events, TimestampTz now, MemoryContext cxt, RelayItem ***items)
 {
-	Oid			argtypes[3] = {TIMESTAMPTZOID, INT4OID, INT4OID};
-	Datum		values[3];
+	Oid			argtypes[4] = {TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID};
+	Datum		values[4];
 	SPIPlanPtr	plan;
 	int			n = 0;
 
@@ -287,13 +290,17 @@ relay_claim(int max_events, TimestampTz now, MemoryContext cxt, RelayItem ***ite
 						 "  ORDER BY d.next_attempt_at"
 						 "  LIMIT $2"
 						 "    FOR UPDATE OF d SKIP LOCKED)"
+						 " , deadline AS ("
+						 " SELECT $1 + ($3 + $4 * coalesce(max(timeout_ms), 0)) * interval '1 ms' AS at"
+						 "   FROM idempotency.destinations"
+						 "  WHERE kind = 'http' AND NOT paused AND disabled_at IS NULL)"
 						 " UPDATE idempotency.deliveries d"
 						 "    SET attempts = d.attempts + 1,"
-						 "        next_attempt_at = $1 + (t.timeout_ms + $3) * interval '1 ms',"
-						 "        visible_until = $1 + (t.timeout_ms + $3) * interval '1 ms',"
+						 "        next_attempt_at = deadline.at,"
+						 "        visible_until = deadline.at,"
 						 "        first_attempt_at = coalesce(d.first_attempt_at, $1),"
 						 "        last_attempt_at = $1"
-						 "   FROM due, idempotency.destinations t, idempotency.outbox o"
+						 "   FROM due, deadline, idempotency.destinations t, idempotency.outbox o"
 						 "  WHERE d.event_id = due.event_id AND d.destination_id = due.destination_id"
 						 "    AND t.id = d.destination_id AND o.event_id = d.event_id"
 						 " RETURNING d.event_id, d.destination_id, d.attempts, d.seq, due.interrupted,"
@@ -306,11 +313,13 @@ relay_claim(int max_events, TimestampTz now, MemoryContext cxt, RelayItem ***ite
 						 "        'topic', o.topic, 'key', o.key, 'payload', o.payload,"
 						 "        'headers', o.headers, 'published_at', o.published_at) END,"
 						 "    CASE t.kind WHEN 'http' THEN o.headers END",
-						 3, argtypes);
+						 4, argtypes);
 
 	values[0] = TimestampTzGetDatum(now);
 	values[1] = Int32GetDatum(max_events);
-	values[2] = Int32GetDatum(RELAY_VISIBILITY_MARGIN_MS);
+	values[2] = Int32GetDatum(relay_visibility_margin);
+	/* HTTP requests go out in waves of relay_max_in_flight. */
+	values[3] = Int32GetDatum((max_events + relay_max_in_flight - 1) / relay_max_in_flight);
 	if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_UPDATE_RETURNING)
 		elog(ERROR, "could not claim outbox deliveries");
 

@@ -203,7 +203,8 @@ CREATE TABLE idempotency.deliveries (
 -- The relay's claim: due pending deliveries, oldest first.
 CREATE INDEX deliveries_due ON idempotency.deliveries (next_attempt_at)
 	WHERE state = 'pending';
--- Per-key order: is an earlier delivery of this key still undelivered?
+-- Per-key order: is an earlier delivery of this key still undelivered?  Also
+-- each destination's backlog and dead letters, for idem_outbox_stats.
 CREATE INDEX deliveries_undelivered ON idempotency.deliveries (destination_id, key, seq)
 	WHERE state <> 'delivered';
 -- Retention cleanup.

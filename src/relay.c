@@ -276,13 +276,25 @@ relay_claim(int max_events, TimestampTz now, MemoryContext cxt, RelayItem ***ite
 	SPIPlanPtr	plan;
 	int			n = 0;
 
+	/*
+	 * The due deliveries must come from deliveries_due in next_attempt_at
+	 * order, so that the scan stops after max_events of them however long
+	 * the backlog.  Statistics taken while the outbox was idle make a burst
+	 * look tiny, and the planner would then read the whole backlog and sort
+	 * it, on every pass.  Sorting is therefore off for the claim (inside the
+	 * GUC nest level of this step, so it ends with it).
+	 */
+	(void) set_config_option("enable_sort", "off", PGC_USERSET, PGC_S_SESSION,
+							 GUC_ACTION_SAVE, true, 0, false);
+	(void) set_config_option("enable_bitmapscan", "off", PGC_USERSET, PGC_S_SESSION,
+							 GUC_ACTION_SAVE, true, 0, false);
 	plan = relay_prepare(&claim_plan,
 						 "WITH due AS ("
 						 " SELECT d.event_id, d.destination_id, d.visible_until IS NOT NULL AS interrupted"
 						 "   FROM idempotency.deliveries d"
-						 "   JOIN idempotency.destinations t ON t.id = d.destination_id"
 						 "  WHERE d.state = 'pending' AND d.next_attempt_at <= $1"
-						 "    AND NOT t.paused AND t.disabled_at IS NULL"
+						 "    AND d.destination_id IN (SELECT t.id FROM idempotency.destinations t"
+						 "                              WHERE NOT t.paused AND t.disabled_at IS NULL)"
 						 "    AND (d.key IS NULL OR NOT EXISTS ("
 						 "          SELECT FROM idempotency.deliveries e"
 						 "           WHERE e.destination_id = d.destination_id AND e.key = d.key"
@@ -290,7 +302,7 @@ relay_claim(int max_events, TimestampTz now, MemoryContext cxt, RelayItem ***ite
 						 "  ORDER BY d.next_attempt_at"
 						 "  LIMIT $2"
 						 "    FOR UPDATE OF d SKIP LOCKED)"
-						 " , deadline AS ("
+						 " , deadline AS MATERIALIZED ("
 						 " SELECT $1 + ($3 + $4 * coalesce(max(timeout_ms), 0)) * interval '1 ms' AS at"
 						 "   FROM idempotency.destinations"
 						 "  WHERE kind = 'http' AND NOT paused AND disabled_at IS NULL)"

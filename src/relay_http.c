@@ -49,6 +49,11 @@
 static bool curl_initialized = false;
 static CURLM *multi = NULL;
 
+/* Easy handles kept between requests: curl_easy_reset is cheaper than a new one. */
+#define HTTP_MAX_SPARE_HANDLES	1024
+static CURL *spare_handles[HTTP_MAX_SPARE_HANDLES];
+static int	n_spare_handles = 0;
+
 /* One request in flight. */
 typedef struct HttpRequest
 {
@@ -282,7 +287,13 @@ http_start(CURLM *m, HttpRequest *req)
 				(errcode(ERRCODE_OUT_OF_MEMORY),
 				 errmsg("out of memory")));
 
-	e = curl_easy_init();
+	if (n_spare_handles > 0)
+	{
+		e = spare_handles[--n_spare_handles];
+		curl_easy_reset(e);
+	}
+	else
+		e = curl_easy_init();
 	if (e == NULL)
 		ereport(ERROR,
 				(errcode(ERRCODE_OUT_OF_MEMORY),
@@ -308,14 +319,17 @@ http_start(CURLM *m, HttpRequest *req)
 				 errmsg("could not start an HTTP request")));
 }
 
-/* Take a finished request off the multi handle and free it. */
+/* Take a finished request off the multi handle; keep its handle for the next one. */
 static void
 http_finish(CURLM *m, HttpRequest *req)
 {
 	if (req->easy != NULL)
 	{
 		curl_multi_remove_handle(m, req->easy);
-		curl_easy_cleanup(req->easy);
+		if (n_spare_handles < HTTP_MAX_SPARE_HANDLES)
+			spare_handles[n_spare_handles++] = req->easy;
+		else
+			curl_easy_cleanup(req->easy);
 		req->easy = NULL;
 	}
 	if (req->headers != NULL)

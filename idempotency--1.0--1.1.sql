@@ -161,7 +161,7 @@ CREATE TABLE idempotency.destinations (
 	target				text NOT NULL,		-- channel, function signature, or URL
 	topics				text[] NOT NULL,	-- 'x' exactly, 'x*' by prefix, '*' all
 	func				regprocedure,		-- kind 'function': the function called
-	run_as				oid NOT NULL,		-- role that created it: functions run as this role
+	run_as				regrole NOT NULL,	-- role that created it: functions run as this role
 	search_path			text NOT NULL,		-- creator's search_path, for function calls
 	options				jsonb NOT NULL,		-- the non-secret options as given
 	secrets				text[],				-- kind 'http': whsec_ signing secrets

@@ -538,7 +538,7 @@ idem_destination_create(PG_FUNCTION_ARGS)
 	if (dest_execute("INSERT INTO idempotency.destinations"
 					 "  (name, kind, target, topics, func, run_as, search_path, options,"
 					 "   secrets, headers, max_attempts, backoff_base_ms, backoff_cap_ms, timeout_ms)"
-					 " VALUES ($1, $2, $3, $4, $5::regprocedure, $6, $7,"
+					 " VALUES ($1, $2, $3, $4, $5::regprocedure, $6::regrole, $7,"
 					 "  $8 - '{secret,secrets,headers}'::text[], $9, $8 -> 'headers', $10, $11, $12, $13)"
 					 " ON CONFLICT (name) DO NOTHING",
 					 13, argtypes, values, nulls, SPI_OK_INSERT) == 0)

@@ -92,9 +92,11 @@ SELECT d.name, x.state, x.attempts, x.last_error, x.visible_until IS NULL AS rec
  WHERE x.event_id = :'e1' ORDER BY d.name;
 
 -- Per-key order: order-1's second event waits while its first is undelivered
--- at 'orders'; another key and an unkeyed event are not held up.  (Each
--- pg_sleep outlasts the 1ms backoff cap of 'orders'.)  A failing call is
--- rolled back: flaky's own insert into sink leaves no row.
+-- at 'orders' (the relay claims it behind the first, and gives the claim
+-- back when the first fails: attempts 0); another key and an unkeyed event
+-- are not held up.  (Each pg_sleep outlasts the 1ms backoff cap of
+-- 'orders'.)  A failing call is rolled back: flaky's own insert into sink
+-- leaves no row.
 SELECT idem_publish('order.paid', '{"order": 1}', 'order-1') IS NOT NULL AS published;
 SELECT idem_publish('order.created', '{"order": 2}', 'order-2') IS NOT NULL AS published;
 SELECT idem_publish('order.note', '{"order": 0}') IS NOT NULL AS published;
@@ -131,7 +133,8 @@ SELECT destination, delivered, retried, dead_lettered, dead, backlog
   FROM idem_outbox_stats WHERE destination = 'orders';
 
 -- Redrive keeps the event id: the dead letter is delivered first, then the
--- event that waited behind it.
+-- event that waited behind it, in the same pass (a relay that claims the
+-- first delivery of a key takes the ones that follow, in order).
 SELECT idem_outbox_redrive(:'e1', 'orders') AS redriven;
 SELECT idem_outbox_redrive(:'e1', 'orders') AS redriven_again;
 TRUNCATE sink;

@@ -8,7 +8,10 @@
  *	1. Claim.  In a transaction, lock up to max_events due pending deliveries
  *	   of active destinations with FOR UPDATE SKIP LOCKED (so concurrent relays
  *	   share the work), skipping any whose key has an earlier delivery to the
- *	   same destination still undelivered (per-key order).  Each claimed
+ *	   same destination still undelivered (per-key order); then, behind each
+ *	   keyed one, the deliveries of its key that follow it, which go out one
+ *	   after the other in this pass (a chain: if one is not delivered, the
+ *	   rest are given back unattempted).  Each claimed
  *	   delivery's attempt count goes up by one and its next_attempt_at becomes
  *	   a visibility deadline: if this relay dies, the delivery is claimed
  *	   again after it.  The deadline covers the whole pass, the same for
@@ -79,8 +82,11 @@
 /* NOTIFY payloads must be shorter than this (async.c's NOTIFY_PAYLOAD_MAX_LENGTH). */
 #define RELAY_NOTIFY_MAX	(BLCKSZ - NAMEDATALEN - 128)
 
+static Datum relay_array(Datum *values, bool *nulls, int n, Oid typid);
+
 /* The saved statements. */
 static SPIPlanPtr claim_plan = NULL;
+static SPIPlanPtr followers_plan = NULL;
 static SPIPlanPtr dests_plan = NULL;
 static SPIPlanPtr lock_plan = NULL;
 static SPIPlanPtr record_plan = NULL;
@@ -265,77 +271,42 @@ relay_item_cmp(const void *a, const void *b)
 }
 
 /*
- * Step 1: claim up to max_events due deliveries.  Returns the claimed items
- * (allocated in cxt), in seq order, in *items.
+ * What the claim statements set and return: the claim itself (attempt,
+ * visibility deadline) and what delivering needs.  $1 is now, $3 the
+ * visibility margin, $4 the number of waves of HTTP requests; the statement
+ * defines "picked" (the deliveries to claim, with interrupted: whether the
+ * previous attempt's outcome was never recorded).
  */
+#define CLAIM_UPDATE \
+	" , deadline AS MATERIALIZED (" \
+	" SELECT $1 + ($3 + $4 * coalesce(max(timeout_ms), 0)) * interval '1 ms' AS at" \
+	"   FROM idempotency.destinations" \
+	"  WHERE kind = 'http' AND NOT paused AND disabled_at IS NULL)" \
+	" UPDATE idempotency.deliveries d" \
+	"    SET attempts = d.attempts + 1," \
+	"        next_attempt_at = deadline.at," \
+	"        visible_until = deadline.at," \
+	"        first_attempt_at = coalesce(d.first_attempt_at, $1)," \
+	"        last_attempt_at = $1" \
+	"   FROM picked, deadline, idempotency.destinations t, idempotency.outbox o" \
+	"  WHERE d.event_id = picked.event_id AND d.destination_id = picked.destination_id" \
+	"    AND t.id = d.destination_id AND o.event_id = d.event_id" \
+	" RETURNING d.event_id, d.destination_id, d.attempts, d.seq, picked.interrupted," \
+	"    o.topic, o.published_at," \
+	"    CASE t.kind WHEN 'http' THEN o.payload::text" \
+	"      WHEN 'notify' THEN jsonb_build_object('id', o.event_id, 'topic', o.topic," \
+	"        'key', o.key, 'payload', o.payload, 'headers', o.headers," \
+	"        'published_at', o.published_at)::text END," \
+	"    CASE t.kind WHEN 'function' THEN jsonb_build_object('id', o.event_id," \
+	"        'topic', o.topic, 'key', o.key, 'payload', o.payload," \
+	"        'headers', o.headers, 'published_at', o.published_at) END," \
+	"    CASE t.kind WHEN 'http' THEN o.headers END," \
+	"    d.key"
+
+/* Append the rows a claim statement returned to items, copied into cxt. */
 static int
-relay_claim(int max_events, TimestampTz now, MemoryContext cxt, RelayItem ***items)
+relay_read_claimed(MemoryContext cxt, RelayItem **items, int n)
 {
-	Oid			argtypes[4] = {TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID};
-	Datum		values[4];
-	SPIPlanPtr	plan;
-	int			n = 0;
-
-	/*
-	 * The due deliveries must come from deliveries_due in next_attempt_at
-	 * order, so that the scan stops after max_events of them however long
-	 * the backlog.  Statistics taken while the outbox was idle make a burst
-	 * look tiny, and the planner would then read the whole backlog and sort
-	 * it, on every pass.  Sorting is therefore off for the claim (inside the
-	 * GUC nest level of this step, so it ends with it).
-	 */
-	(void) set_config_option("enable_sort", "off", PGC_USERSET, PGC_S_SESSION,
-							 GUC_ACTION_SAVE, true, 0, false);
-	(void) set_config_option("enable_bitmapscan", "off", PGC_USERSET, PGC_S_SESSION,
-							 GUC_ACTION_SAVE, true, 0, false);
-	plan = relay_prepare(&claim_plan,
-						 "WITH due AS ("
-						 " SELECT d.event_id, d.destination_id, d.visible_until IS NOT NULL AS interrupted"
-						 "   FROM idempotency.deliveries d"
-						 "  WHERE d.state = 'pending' AND d.next_attempt_at <= $1"
-						 "    AND d.destination_id IN (SELECT t.id FROM idempotency.destinations t"
-						 "                              WHERE NOT t.paused AND t.disabled_at IS NULL)"
-						 "    AND (d.key IS NULL OR NOT EXISTS ("
-						 "          SELECT FROM idempotency.deliveries e"
-						 "           WHERE e.destination_id = d.destination_id AND e.key = d.key"
-						 "             AND e.seq < d.seq AND e.state <> 'delivered'))"
-						 "  ORDER BY d.next_attempt_at"
-						 "  LIMIT $2"
-						 "    FOR UPDATE OF d SKIP LOCKED)"
-						 " , deadline AS MATERIALIZED ("
-						 " SELECT $1 + ($3 + $4 * coalesce(max(timeout_ms), 0)) * interval '1 ms' AS at"
-						 "   FROM idempotency.destinations"
-						 "  WHERE kind = 'http' AND NOT paused AND disabled_at IS NULL)"
-						 " UPDATE idempotency.deliveries d"
-						 "    SET attempts = d.attempts + 1,"
-						 "        next_attempt_at = deadline.at,"
-						 "        visible_until = deadline.at,"
-						 "        first_attempt_at = coalesce(d.first_attempt_at, $1),"
-						 "        last_attempt_at = $1"
-						 "   FROM due, deadline, idempotency.destinations t, idempotency.outbox o"
-						 "  WHERE d.event_id = due.event_id AND d.destination_id = due.destination_id"
-						 "    AND t.id = d.destination_id AND o.event_id = d.event_id"
-						 " RETURNING d.event_id, d.destination_id, d.attempts, d.seq, due.interrupted,"
-						 "    o.topic, o.published_at,"
-						 "    CASE t.kind WHEN 'http' THEN o.payload::text"
-						 "      WHEN 'notify' THEN jsonb_build_object('id', o.event_id, 'topic', o.topic,"
-						 "        'key', o.key, 'payload', o.payload, 'headers', o.headers,"
-						 "        'published_at', o.published_at)::text END,"
-						 "    CASE t.kind WHEN 'function' THEN jsonb_build_object('id', o.event_id,"
-						 "        'topic', o.topic, 'key', o.key, 'payload', o.payload,"
-						 "        'headers', o.headers, 'published_at', o.published_at) END,"
-						 "    CASE t.kind WHEN 'http' THEN o.headers END",
-						 4, argtypes);
-
-	values[0] = TimestampTzGetDatum(now);
-	values[1] = Int32GetDatum(max_events);
-	values[2] = Int32GetDatum(relay_visibility_margin);
-	/* HTTP requests go out in waves of relay_max_in_flight. */
-	values[3] = Int32GetDatum((max_events + relay_max_in_flight - 1) / relay_max_in_flight);
-	if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_UPDATE_RETURNING)
-		elog(ERROR, "could not claim outbox deliveries");
-
-	*items = MemoryContextAlloc(cxt, sizeof(RelayItem *) * Max(SPI_processed, 1));
 	for (uint64 i = 0; i < SPI_processed; i++)
 	{
 		HeapTuple	tup = SPI_tuptable->vals[i];
@@ -356,11 +327,205 @@ relay_claim(int max_events, TimestampTz now, MemoryContext cxt, RelayItem ***ite
 		it->envelope = isnull ? NULL : DatumGetJsonbPCopy(d);
 		d = SPI_getbinval(tup, SPI_tuptable->tupdesc, 10, &isnull);
 		it->event_headers = isnull ? NULL : DatumGetJsonbPCopy(d);
+		it->key = spi_text(tup, 11);
 		it->outcome = RELAY_PENDING;
 		MemoryContextSwitchTo(old);
-		(*items)[n++] = it;
+		items[n++] = it;
 	}
+	return n;
+}
+
+/*
+ * Claim the due deliveries that may go now: no earlier delivery of their key
+ * to their destination is undelivered (the heads of their keys), oldest
+ * first, up to max_events.  Appends them to items.
+ */
+static int
+relay_claim_heads(int max_events, TimestampTz now, MemoryContext cxt,
+				  RelayItem **items)
+{
+	Oid			argtypes[4] = {TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID};
+	Datum		values[4];
+	SPIPlanPtr	plan;
+	int			save_nestlevel;
+	int			rc;
+
+	/*
+	 * The due deliveries must come from deliveries_due in next_attempt_at
+	 * order, so that the scan stops after max_events of them however long
+	 * the backlog.  Statistics taken while the outbox was idle make a burst
+	 * look tiny, and the planner would then read the whole backlog and sort
+	 * it, on every pass.  Sorting is therefore off for this statement.
+	 */
+	save_nestlevel = NewGUCNestLevel();
+	(void) set_config_option("enable_sort", "off", PGC_USERSET, PGC_S_SESSION,
+							 GUC_ACTION_SAVE, true, 0, false);
+	(void) set_config_option("enable_bitmapscan", "off", PGC_USERSET, PGC_S_SESSION,
+							 GUC_ACTION_SAVE, true, 0, false);
+	plan = relay_prepare(&claim_plan,
+						 "WITH picked AS ("
+						 " SELECT d.event_id, d.destination_id, d.visible_until IS NOT NULL AS interrupted"
+						 "   FROM idempotency.deliveries d"
+						 "  WHERE d.state = 'pending' AND d.next_attempt_at <= $1"
+						 "    AND d.destination_id IN (SELECT t.id FROM idempotency.destinations t"
+						 "                              WHERE NOT t.paused AND t.disabled_at IS NULL)"
+						 "    AND (d.key IS NULL OR NOT EXISTS ("
+						 "          SELECT FROM idempotency.deliveries e"
+						 "           WHERE e.destination_id = d.destination_id AND e.key = d.key"
+						 "             AND e.seq < d.seq AND e.state <> 'delivered'))"
+						 "  ORDER BY d.next_attempt_at"
+						 "  LIMIT $2"
+						 "    FOR UPDATE OF d SKIP LOCKED)"
+						 CLAIM_UPDATE,
+						 4, argtypes);
+
+	values[0] = TimestampTzGetDatum(now);
+	values[1] = Int32GetDatum(max_events);
+	values[2] = Int32GetDatum(relay_visibility_margin);
+	/* HTTP requests go out in waves of relay_max_in_flight. */
+	values[3] = Int32GetDatum((max_events + relay_max_in_flight - 1) / relay_max_in_flight);
+	rc = SPI_execute_plan(plan, values, NULL, false, 0);
+	AtEOXact_GUC(true, save_nestlevel);
+	if (rc != SPI_OK_UPDATE_RETURNING)
+		elog(ERROR, "could not claim outbox deliveries");
+	return relay_read_claimed(cxt, items, 0);
+}
+
+/*
+ * Claim, behind each keyed head just claimed, the following deliveries of
+ * its key to its destination, in seq order, as long as they are pending and
+ * due: this relay then delivers them one after the other, so that a busy key
+ * is not held to one event per pass.  No other relay can take them: their
+ * head is claimed, so for everyone else an earlier delivery of their key is
+ * undelivered.  At most room in all, shared out evenly between the keys.
+ * Appends them to items after the first n.
+ */
+static int
+relay_claim_followers(int room, TimestampTz now, MemoryContext cxt,
+					  RelayItem **items, int n)
+{
+	Oid			argtypes[8] = {TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID,
+		INT4ARRAYOID, TEXTARRAYOID, INT8ARRAYOID, INT4OID};
+	Datum		values[8];
+	Datum	   *dests = palloc(sizeof(Datum) * n);
+	Datum	   *keys = palloc(sizeof(Datum) * n);
+	Datum	   *seqs = palloc(sizeof(Datum) * n);
+	int			nheads = 0;
+	SPIPlanPtr	plan;
+
+	for (int i = 0; i < n; i++)
+		if (items[i]->key != NULL)
+		{
+			dests[nheads] = Int32GetDatum(items[i]->dest_id);
+			keys[nheads] = CStringGetTextDatum(items[i]->key);
+			seqs[nheads] = Int64GetDatum(items[i]->seq);
+			nheads++;
+		}
+	if (nheads == 0 || room <= 0)
+		return n;
+
+	plan = relay_prepare(&followers_plan,
+						 "WITH heads AS ("
+						 " SELECT * FROM unnest($5::int4[], $6::text[], $7::int8[])"
+						 "   AS h(destination_id, key, seq)),"
+						 " chained AS ("
+						 " SELECT f.event_id, f.destination_id, f.interrupted, f.pos,"
+						 "        bool_and(f.due) OVER (PARTITION BY f.destination_id, f.key"
+						 "                              ORDER BY f.seq) AS unbroken"
+						 "   FROM heads h, LATERAL ("
+						 "        SELECT e.event_id, e.destination_id, e.key, e.seq,"
+						 "               e.visible_until IS NOT NULL AS interrupted,"
+						 "               e.state = 'pending' AND e.next_attempt_at <= $1 AS due,"
+						 "               row_number() OVER (ORDER BY e.seq) AS pos"
+						 "          FROM (SELECT * FROM idempotency.deliveries e"
+						 "                 WHERE e.destination_id = h.destination_id"
+						 "                   AND e.key = h.key COLLATE \"C\""
+						 "                   AND e.seq > h.seq AND e.state <> 'delivered'"
+						 "                 ORDER BY e.seq LIMIT $8) e) f),"
+						 " picked AS ("
+						 " SELECT event_id, destination_id, interrupted FROM chained"
+						 "  WHERE unbroken ORDER BY pos LIMIT $2)"
+						 CLAIM_UPDATE,
+						 8, argtypes);
+
+	values[0] = TimestampTzGetDatum(now);
+	values[1] = Int32GetDatum(room);
+	values[2] = Int32GetDatum(relay_visibility_margin);
+	values[3] = Int32GetDatum((n + room + relay_max_in_flight - 1) / relay_max_in_flight);
+	values[4] = relay_array(dests, NULL, nheads, INT4OID);
+	values[5] = relay_array(keys, NULL, nheads, TEXTOID);
+	values[6] = relay_array(seqs, NULL, nheads, INT8OID);
+	values[7] = Int32GetDatum((room + nheads - 1) / nheads);
+	if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_UPDATE_RETURNING)
+		elog(ERROR, "could not claim outbox deliveries");
+	return relay_read_claimed(cxt, items, n);
+}
+
+/*
+ * Chain the deliveries of each key to each destination, in seq order: a
+ * delivery waits for its predecessor in the batch (chain_held) and is
+ * released, not attempted, if the predecessor is not delivered.
+ */
+static void
+relay_link_chains(RelayItem **items, int n)
+{
+	HASHCTL		ctl;
+	HTAB	   *last;
+
+	ctl.keysize = NAMEDATALEN + OUTBOX_MAX_NAME_LEN + 16;
+	ctl.entrysize = ctl.keysize + sizeof(RelayItem *);
+	ctl.hcxt = CurrentMemoryContext;
+	last = hash_create("outbox relay chains", Max(n, 16), &ctl,
+					   HASH_ELEM | HASH_STRINGS | HASH_CONTEXT);
+	for (int i = 0; i < n; i++)
+	{
+		RelayItem  *it = items[i];
+		char		key[NAMEDATALEN + OUTBOX_MAX_NAME_LEN + 16];
+		char	   *entry;
+		bool		found;
+
+		if (it->key == NULL)
+			continue;
+		memset(key, 0, sizeof(key));
+		snprintf(key, sizeof(key), "%d/%s", it->dest_id, it->key);
+		entry = hash_search(last, key, HASH_ENTER, &found);
+		if (found)
+		{
+			RelayItem  *prev;
+
+			memcpy(&prev, entry + ctl.keysize, sizeof(RelayItem *));
+			prev->chain_next = it;
+			it->chain_held = true;
+		}
+		memcpy(entry + ctl.keysize, &it, sizeof(RelayItem *));
+	}
+	hash_destroy(last);
+}
+
+/* A delivery was not delivered: the rest of its chain is released. */
+void
+relay_release_chain(RelayItem *it)
+{
+	for (RelayItem *next = it->chain_next; next != NULL; next = next->chain_next)
+		if (next->outcome == RELAY_PENDING)
+			next->outcome = RELAY_RELEASED;
+}
+
+/*
+ * Step 1: claim up to max_events deliveries: the heads of their keys, then
+ * the deliveries that follow them.  Returns the claimed items (allocated in
+ * cxt), in seq order and chained, in *items.
+ */
+static int
+relay_claim(int max_events, TimestampTz now, MemoryContext cxt, RelayItem ***items)
+{
+	int			n;
+
+	*items = MemoryContextAlloc(cxt, sizeof(RelayItem *) * max_events);
+	n = relay_claim_heads(max_events, now, cxt, *items);
+	n = relay_claim_followers(max_events - n, now, cxt, *items, n);
 	qsort(*items, n, sizeof(RelayItem *), relay_item_cmp);
+	relay_link_chains(*items, n);
 	return n;
 }
 
@@ -425,7 +590,10 @@ relay_relock(RelayItem **items, int n, bool *any)
 	if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_SELECT)
 		elog(ERROR, "could not lock claimed outbox deliveries");
 
-	/* Everything not found is someone else's now. */
+	/*
+	 * Everything not found is someone else's now, and what follows it in
+	 * its key's chain must not go before it.
+	 */
 	for (int i = 0; i < m; i++)
 		mine[i]->outcome = RELAY_SKIPPED;
 	for (uint64 i = 0; i < SPI_processed; i++)
@@ -434,6 +602,9 @@ relay_relock(RelayItem **items, int n, bool *any)
 
 		mine[k - 1]->outcome = RELAY_PENDING;
 	}
+	for (int i = 0; i < m; i++)
+		if (mine[i]->outcome == RELAY_SKIPPED)
+			relay_release_chain(mine[i]);
 }
 
 /* The message of a failed delivery, in the pass's memory. */
@@ -560,16 +731,17 @@ relay_call_function(RelayItem *it, MemoryContext cxt)
 static void
 relay_record(RelayItem **items, int n)
 {
-	Oid			argtypes[9] = {UUIDARRAYOID, INT4ARRAYOID, INT4ARRAYOID, TEXTARRAYOID,
-		TIMESTAMPTZARRAYOID, INT4ARRAYOID, TEXTARRAYOID, INT8ARRAYOID, BOOLARRAYOID};
-	Datum	   *cols[9];
+	Oid			argtypes[10] = {UUIDARRAYOID, INT4ARRAYOID, INT4ARRAYOID, TEXTARRAYOID,
+		TIMESTAMPTZARRAYOID, INT4ARRAYOID, TEXTARRAYOID, INT8ARRAYOID, BOOLARRAYOID,
+	BOOLARRAYOID};
+	Datum	   *cols[10];
 	bool	   *status_nulls = palloc(sizeof(bool) * n);
 	bool	   *error_nulls = palloc(sizeof(bool) * n);
 	Datum		values[10];
 	int			m = 0;
 	SPIPlanPtr	plan;
 
-	for (int c = 0; c < 9; c++)
+	for (int c = 0; c < 10; c++)
 		cols[c] = palloc(sizeof(Datum) * n);
 
 	for (int i = 0; i < n; i++)
@@ -579,9 +751,16 @@ relay_record(RelayItem **items, int n)
 		const char *state;
 		TimestampTz next_at = it->finished_at;
 
-		if (it->outcome != RELAY_DELIVERED && it->outcome != RELAY_FAILED)
+		if (it->outcome != RELAY_DELIVERED && it->outcome != RELAY_FAILED &&
+			it->outcome != RELAY_RELEASED)
 			continue;
-		if (it->outcome == RELAY_DELIVERED)
+		if (it->outcome == RELAY_RELEASED)
+		{
+			/* Not attempted: pending again at once, its attempt given back. */
+			state = "pending";
+			next_at = it->finished_at = GetCurrentTimestamp();
+		}
+		else if (it->outcome == RELAY_DELIVERED)
 			state = "delivered";
 		else if (it->attempts >= d->max_attempts)
 			state = "dead";
@@ -607,6 +786,7 @@ relay_record(RelayItem **items, int n)
 		error_nulls[m] = (it->error == NULL);
 		cols[7][m] = Int64GetDatum(it->finished_at - it->published_at);
 		cols[8][m] = BoolGetDatum(it->interrupted);
+		cols[9][m] = BoolGetDatum(it->outcome == RELAY_RELEASED);
 		m++;
 	}
 	if (m == 0)
@@ -616,17 +796,21 @@ relay_record(RelayItem **items, int n)
 						 "WITH r AS ("
 						 " SELECT * FROM unnest($1::uuid[], $2::int4[], $3::int4[], $4::text[],"
 						 "                      $5::timestamptz[], $6::int4[], $7::text[], $8::int8[],"
-						 "                      $9::bool[]) WITH ORDINALITY"
+						 "                      $9::bool[], $10::bool[]) WITH ORDINALITY"
 						 "   AS r(event_id, destination_id, attempts, state, at, status, error,"
-						 "        latency_us, interrupted, n)),"
+						 "        latency_us, interrupted, released, n)),"
 						 " u AS ("
 						 " UPDATE idempotency.deliveries d"
 						 "    SET state = r.state,"
 						 "        next_attempt_at = r.at,"
-						 "        visible_until = NULL,"
+						 "        visible_until = CASE WHEN r.released AND r.interrupted"
+						 "                             THEN d.visible_until END,"
 						 "        delivered_at = CASE WHEN r.state = 'delivered' THEN r.at END,"
-						 "        last_status = r.status,"
-						 "        last_error = r.error"
+						 "        attempts = d.attempts - r.released::int,"
+						 "        first_attempt_at = CASE WHEN r.released AND d.attempts = 1"
+						 "                                THEN NULL ELSE d.first_attempt_at END,"
+						 "        last_status = CASE WHEN r.released THEN d.last_status ELSE r.status END,"
+						 "        last_error = CASE WHEN r.released THEN d.last_error ELSE r.error END"
 						 "   FROM r"
 						 "  WHERE d.event_id = r.event_id AND d.destination_id = r.destination_id"
 						 "    AND d.state = 'pending'"
@@ -637,14 +821,14 @@ relay_record(RelayItem **items, int n)
 						 "   latency_sum_us, last_latency_us, last_delivered_at)"
 						 " SELECT destination_id,"
 						 "        count(*) FILTER (WHERE state = 'delivered'),"
-						 "        count(*) FILTER (WHERE state = 'pending'),"
+						 "        count(*) FILTER (WHERE state = 'pending' AND NOT released),"
 						 "        count(*) FILTER (WHERE state = 'dead'),"
-						 "        count(*) FILTER (WHERE interrupted),"
+						 "        count(*) FILTER (WHERE interrupted AND NOT released),"
 						 "        coalesce(sum(latency_us) FILTER (WHERE state = 'delivered'), 0),"
 						 "        (array_agg(latency_us ORDER BY n DESC) FILTER (WHERE state = 'delivered'))[1],"
 						 "        max(at) FILTER (WHERE state = 'delivered')"
 						 "   FROM u GROUP BY destination_id",
-						 9, argtypes);
+						 10, argtypes);
 
 	values[0] = relay_array(cols[0], NULL, m, UUIDOID);
 	values[1] = relay_array(cols[1], NULL, m, INT4OID);
@@ -655,6 +839,7 @@ relay_record(RelayItem **items, int n)
 	values[6] = relay_array(cols[6], error_nulls, m, TEXTOID);
 	values[7] = relay_array(cols[7], NULL, m, INT8OID);
 	values[8] = relay_array(cols[8], NULL, m, BOOLOID);
+	values[9] = relay_array(cols[9], NULL, m, BOOLOID);
 	if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_INSERT)
 		elog(ERROR, "could not record outbox delivery outcomes");
 }
@@ -760,6 +945,9 @@ relay_pass(int max_events)
 				relay_notify(it);
 			else if (it->dest->kind == DEST_FUNCTION)
 				relay_call_function(it, passcxt);
+			/* A key's later deliveries never go before an earlier one. */
+			if (it->outcome != RELAY_DELIVERED)
+				relay_release_chain(it);
 		}
 		relay_record(items, n);
 		relay_disable(dests);

@@ -369,32 +369,45 @@ http_outcome(HttpRequest *req, CURLcode result)
 /*
  * Deliver every pending item of kind 'http' in items, at most
  * idempotency.relay_max_in_flight at a time, and set each one's outcome.
- * Allocates in the current memory context (the pass's).
+ * The deliveries of one key to one destination go one after the other: each
+ * starts when its predecessor is delivered, and is released (not sent) if
+ * the predecessor fails.  Allocates in the current memory context (the
+ * pass's).
  */
 void
 http_deliver(RelayItem **items, int nitems)
 {
 	CURLM	   *m = http_multi();
 	HttpRequest *reqs = palloc0(sizeof(HttpRequest) * nitems);
+	int		   *ready = palloc(sizeof(int) * nitems);	/* queue of requests */
 	int			nreqs = 0;
-	int			next = 0;
+	int			ready_head = 0;
+	int			ready_tail = 0;
 	int			in_flight = 0;
 
 	for (int i = 0; i < nitems; i++)
+	{
 		if (items[i]->outcome == RELAY_PENDING && items[i]->dest->kind == DEST_HTTP)
-			reqs[nreqs++].item = items[i];
+		{
+			items[i]->http_slot = nreqs;
+			reqs[nreqs].item = items[i];
+			if (!items[i]->chain_held)
+				ready[ready_tail++] = nreqs;
+			nreqs++;
+		}
+	}
 
 	PG_TRY();
 	{
-		while (next < nreqs || in_flight > 0)
+		while (ready_head < ready_tail || in_flight > 0)
 		{
 			int			running;
 			CURLMsg    *msg;
 			int			left;
 
-			while (in_flight < relay_max_in_flight && next < nreqs)
+			while (in_flight < relay_max_in_flight && ready_head < ready_tail)
 			{
-				http_start(m, &reqs[next++]);
+				http_start(m, &reqs[ready[ready_head++]]);
 				in_flight++;
 			}
 
@@ -405,6 +418,7 @@ http_deliver(RelayItem **items, int nitems)
 			while ((msg = curl_multi_info_read(m, &left)) != NULL)
 			{
 				HttpRequest *req;
+				RelayItem  *next;
 
 				if (msg->msg != CURLMSG_DONE)
 					continue;
@@ -412,8 +426,16 @@ http_deliver(RelayItem **items, int nitems)
 				http_outcome(req, msg->data.result);
 				http_finish(m, req);
 				in_flight--;
+
+				/* The next delivery of the key may go now, or never. */
+				next = req->item->chain_next;
+				if (req->item->outcome != RELAY_DELIVERED)
+					relay_release_chain(req->item);
+				else if (next != NULL && next->outcome == RELAY_PENDING)
+					ready[ready_tail++] = next->http_slot;
 			}
-			if (in_flight > 0 && (next >= nreqs || in_flight >= relay_max_in_flight))
+			if (in_flight > 0 &&
+				(ready_head >= ready_tail || in_flight >= relay_max_in_flight))
 			{
 				int			numfds;
 
@@ -434,4 +456,5 @@ http_deliver(RelayItem **items, int nitems)
 	}
 	PG_END_TRY();
 	pfree(reqs);
+	pfree(ready);
 }

@@ -45,7 +45,9 @@ typedef enum RelayOutcome
 	RELAY_PENDING,				/* not attempted yet */
 	RELAY_DELIVERED,
 	RELAY_FAILED,
-	RELAY_SKIPPED				/* another relay owns it now: record nothing */
+	RELAY_SKIPPED,				/* another relay owns it now: record nothing */
+	RELAY_RELEASED				/* not attempted: its key's previous delivery was not
+								 * delivered; the claim is given back */
 } RelayOutcome;
 
 /* One claimed delivery. */
@@ -58,16 +60,25 @@ typedef struct RelayItem
 	int64		seq;
 	bool		interrupted;	/* the previous attempt's outcome was never recorded */
 	char	   *topic;
+	char	   *key;			/* NULL if the event has none */
 	TimestampTz published_at;
 	char	   *body;			/* http: the payload; notify: the envelope text */
 	Jsonb	   *envelope;		/* function: the envelope */
 	Jsonb	   *event_headers;	/* http: the event's headers, or NULL */
+
+	struct RelayItem *chain_next;	/* the next delivery of the same key to the
+									 * same destination in this batch */
+	bool		chain_held;		/* waits for its predecessor in the batch */
+	int			http_slot;		/* relay_http.c: its request */
 
 	RelayOutcome outcome;
 	int32		status;			/* HTTP status, 0 if none */
 	char	   *error;			/* why it failed */
 	TimestampTz finished_at;
 } RelayItem;
+
+/* relay.c */
+extern void relay_release_chain(RelayItem *it);
 
 /* relay_http.c */
 extern const char *http_check_url(const char *url);

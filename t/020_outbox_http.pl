@@ -182,6 +182,9 @@ $node->safe_psql('postgres', sprintf(q{
 $sink->clear_log;
 $sink->set_mode('500');
 my $e500 = publish('order.failed', '{"n": 1}', 'order-500');
+# The next event of its key: each pass claims it behind the first, and gives
+# it back unsent when the first fails.
+my $after500 = publish('order.after', '{"n": 2}', 'order-500');
 $deadline = time() + 10;
 while (time() < $deadline)
 {
@@ -195,12 +198,11 @@ is(scalar(grep { $_->{what} eq 'answered' && $_->{id} eq $e500 && $_->{status} =
 	4, 'the sink saw four attempts with the same webhook-id');
 is($node->safe_psql('postgres', "SELECT count(*) FROM idem_outbox_dead WHERE event_id = '$e500'"),
 	'1', 'listed in idem_outbox_dead');
-# A later event of the same key waits behind the dead letter.
-my $after500 = publish('order.after', '{"n": 2}', 'order-500');
+ok(!(grep { $_->{id} eq $after500 } $sink->entries), 'the next event of its key was never sent meanwhile');
 $sink->set_mode('204');
 relay_until_idle();
 is($node->safe_psql('postgres', "SELECT attempts FROM idempotency.deliveries WHERE event_id = '$after500'"),
-	'0', 'the next event of its key is not attempted while it is dead');
+	'0', 'nor is it while the first is dead');
 is($node->safe_psql('postgres', "SELECT idem_outbox_redrive('$e500')"), '1', 'redrive');
 relay_until_idle();
 relay_until_idle();

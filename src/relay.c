@@ -11,13 +11,13 @@
  *	   same destination still undelivered (per-key order); then, behind each
  *	   keyed one, the deliveries of its key that follow it, which go out one
  *	   after the other in this pass (a chain: if one is not delivered, the
- *	   rest are given back unattempted).  Each claimed
- *	   delivery's attempt count goes up by one and its next_attempt_at becomes
- *	   a visibility deadline: if this relay dies, the delivery is claimed
- *	   again after it.  The deadline covers the whole pass, the same for
- *	   every delivery of the batch: as many waves of relay_max_in_flight
- *	   requests as the batch may need, each as long as the largest HTTP
- *	   timeout, plus idempotency.relay_visibility_margin.  visible_until records that the
+ *	   rest are given back unattempted).  Each claimed delivery's attempt
+ *	   count goes up by one and its next_attempt_at becomes a visibility
+ *	   deadline: if this relay dies, the delivery is claimed again after it.
+ *	   The deadline covers the whole pass, the same for every delivery of the
+ *	   batch: as many waves of relay_max_in_flight requests as the batch may
+ *	   need, each as long as the largest HTTP timeout, plus
+ *	   idempotency.relay_visibility_margin.  visible_until records that the
  *	   outcome is outstanding, so a later claim knows the attempt was
  *	   interrupted and counts the repeat as a possible duplicate.
  *

@@ -63,7 +63,7 @@
 #include "executor/spi.h"
 #include "miscadmin.h"
 #include "pgstat.h"
-#include "storage/ipc.h"
+#include "storage/lmgr.h"
 #include "utils/acl.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
@@ -124,10 +124,14 @@ relay_prepare(SPIPlanPtr *plan, const char *sql, int nargs, Oid *argtypes)
 /*
  * Begin a step: start a transaction if the pass manages its own (as
  * worker_spi does), then connect to SPI as the tables' owner.  Returns false,
- * with nothing begun, when the outbox is not installed in this database.
+ * with nothing begun, when the outbox is not installed in this database, or
+ * -- for a step that may be skipped, in a transaction of its own -- when
+ * someone holds a lock on the deliveries that a relay would wait for (DROP
+ * EXTENSION, TRUNCATE, CREATE INDEX): the worker tries again later instead
+ * of queueing behind it (as pg_net does).
  */
 static bool
-relay_step_begin(RelayStep *step, const char *activity)
+relay_step_begin(RelayStep *step, const char *activity, bool skippable)
 {
 	if (step->own_xact)
 	{
@@ -136,7 +140,9 @@ relay_step_begin(RelayStep *step, const char *activity)
 		PushActiveSnapshot(GetTransactionSnapshot());
 		pgstat_report_activity(STATE_RUNNING, activity);
 	}
-	if (!outbox_installed())
+	if (!outbox_installed() ||
+		(step->own_xact && skippable &&
+		 !ConditionalLockRelationOid(outbox_relid("deliveries"), RowExclusiveLock)))
 	{
 		if (step->own_xact)
 		{
@@ -904,7 +910,7 @@ relay_pass(int max_events)
 		bool		any_local;
 
 		/* Step 1: claim. */
-		if (!relay_step_begin(&step, "idempotency relay: claim"))
+		if (!relay_step_begin(&step, "idempotency relay: claim", true))
 			goto done;
 		n = relay_claim(max_events, GetCurrentTimestamp(), passcxt, &items);
 		dests = relay_load_dests(passcxt);
@@ -931,7 +937,7 @@ relay_pass(int max_events)
 		}
 
 		/* Step 3: in-database deliveries, then every outcome, in one transaction. */
-		if (!relay_step_begin(&step, "idempotency relay: record"))
+		if (!relay_step_begin(&step, "idempotency relay: record", false))
 			goto done;
 		relay_relock(items, n, &any_local);
 		for (int i = 0; any_local && i < n; i++)
@@ -986,7 +992,7 @@ relay_next_due(void)
 	if (RecoveryInProgress())
 		return 0;
 	step.own_xact = !IsTransactionState();
-	if (!relay_step_begin(&step, "idempotency relay: next due"))
+	if (!relay_step_begin(&step, "idempotency relay: next due", true))
 		return 0;
 	plan = relay_prepare(&next_due_plan,
 						 "SELECT min(d.next_attempt_at)"
@@ -1040,7 +1046,7 @@ outbox_cleanup(int batch)
 	/* Delivered deliveries past the retention. */
 	do
 	{
-		if (!relay_step_begin(&step, "idempotency relay: cleanup"))
+		if (!relay_step_begin(&step, "idempotency relay: cleanup", true))
 			return 0;
 		n = cleanup_batch(&cleanup_deliveries_plan,
 						  "DELETE FROM idempotency.deliveries WHERE ctid = ANY (ARRAY("
@@ -1053,7 +1059,7 @@ outbox_cleanup(int batch)
 	/* Deliveries left behind by a destination dropped while an event was being published. */
 	do
 	{
-		if (!relay_step_begin(&step, "idempotency relay: cleanup"))
+		if (!relay_step_begin(&step, "idempotency relay: cleanup", true))
 			return 0;
 		n = cleanup_batch(&cleanup_orphans_plan,
 						  "DELETE FROM idempotency.deliveries WHERE ctid = ANY (ARRAY("
@@ -1071,7 +1077,7 @@ outbox_cleanup(int batch)
 	 * those of dropped destinations).  Rows a relay appends meanwhile are not
 	 * seen by the delete, and stay.
 	 */
-	if (!relay_step_begin(&step, "idempotency relay: cleanup"))
+	if (!relay_step_begin(&step, "idempotency relay: cleanup", true))
 		return 0;
 	relay_prepare(&fold_stats_plan,
 				  "WITH gone AS (DELETE FROM idempotency.destination_stats RETURNING *)"
@@ -1091,7 +1097,7 @@ outbox_cleanup(int batch)
 	/* Events past the retention that no delivery refers to any more. */
 	do
 	{
-		if (!relay_step_begin(&step, "idempotency relay: cleanup"))
+		if (!relay_step_begin(&step, "idempotency relay: cleanup", true))
 			return events;
 		n = cleanup_batch(&cleanup_events_plan,
 						  "DELETE FROM idempotency.outbox WHERE event_id = ANY (ARRAY("

@@ -22,7 +22,11 @@
 /*
  * One relay pass in the current database: claim up to max_events due
  * deliveries across all active destinations, deliver them, record the
- * outcomes.  Returns the number of deliveries attempted.
+ * outcomes.  Returns the number of deliveries attempted.  The worker passes
+ * idempotency.relay_batch_size (relay_batch_size in outbox.h), and calls
+ * again at once while a pass attempted anything.  A pass does nothing on a
+ * hot standby, in a database without the outbox, or while another session
+ * holds a lock on the deliveries that it would wait for.
  */
 extern int64 relay_run(int max_events);
 

@@ -13,6 +13,8 @@
 #  - kill -9 inside a destination function: the claims survive but the calls
 #    and marks roll back together, and after the deadline each event is
 #    delivered exactly once;
+#  - a pass skips, rather than waits, while another session holds a lock on
+#    the deliveries (DROP EXTENSION, TRUNCATE, CREATE INDEX);
 #  - relay_next_due() tells the worker when to wake up.
 use strict;
 use warnings;
@@ -169,6 +171,17 @@ is( $node->safe_psql('postgres', q{
 		SELECT count(*) || ' ' || count(DISTINCT event_id) FROM fsink
 		 WHERE event_id IN (SELECT event_id FROM idempotency.outbox WHERE topic = 'fn.z')}),
 	'20 20', 'exactly once each');
+
+# ---- A session holding a lock the relay would wait for: the pass is skipped.
+$node->safe_psql('postgres', q{SELECT idem_publish('fn.locked', '{}')});
+my $locker = $node->background_psql('postgres');
+$locker->query_safe('BEGIN; LOCK idempotency.deliveries IN SHARE MODE');
+my $t = time();
+is(harness(10, 1), '0', 'while another session holds a SHARE lock on the deliveries, the pass does nothing');
+cmp_ok(time() - $t, '<', 5, 'and does not wait for it');
+$locker->query_safe('COMMIT');
+$locker->quit;
+is(harness(10, 1), '1', 'once it is gone, the pass delivers');
 
 # ---- relay_next_due() follows a retry's backoff.
 $node->safe_psql('postgres', q{

@@ -2,6 +2,8 @@
 # (t/WebhookSink.pm), which verifies every signature as the Standard Webhooks
 # specification says and records every webhook-id it accepts:
 #
+#  - a relay's later passes reuse its kept-alive connections, and a receiver
+#    slower than the destination's timeout makes the attempt fail;
 #  - each event is delivered once, signed, with its webhook-id, the
 #    destination's extra headers and the event's own headers; during a secret
 #    rotation the receiver that knows only the new secret verifies it, and a
@@ -108,6 +110,37 @@ is(scalar(@refused), 2, 'a destination signing with a secret the receiver does n
 ok(!(grep { $_->{verified} || $_->{status} != 401 } @refused), 'both refused as unverified (401)');
 is( $node->safe_psql('postgres', "SELECT state || ' ' || last_status || ' ' || last_error FROM idempotency.deliveries WHERE event_id = '$stranger'"),
 	'dead 401 HTTP status 401', 'and dead-lettered, not delivered');
+
+# ---- Keep-alive: a relay's later passes reuse its connections.
+$sink->clear_log;
+my $relay = $node->background_psql('postgres');
+$node->safe_psql('postgres', q{SELECT idem_publish('order.kept', jsonb_build_object('n', n)) FROM generate_series(1, 10) n});
+is($relay->query_safe('SELECT idem_outbox_relay()'), '10', 'a first pass in a session');
+my %first = map { $_->{conn} => 1 } grep { $_->{what} eq 'received' } $sink->entries;
+$sink->clear_log;
+$node->safe_psql('postgres', q{SELECT idem_publish('order.kept', jsonb_build_object('n', n)) FROM generate_series(11, 20) n});
+is($relay->query_safe('SELECT idem_outbox_relay()'), '10', 'a second pass in the same session');
+my @second = map { $_->{conn} } grep { $_->{what} eq 'received' } $sink->entries;
+is(scalar(@second), 10, 'ten requests');
+is(scalar(grep { !$first{$_} } @second), 0,
+	'all on connections the first pass opened (' . scalar(keys %first) . ' of them)');
+$relay->quit;
+
+# ---- A receiver slower than the destination's timeout: a failed attempt.
+$node->safe_psql('postgres', sprintf(q{
+	SELECT idem_destination_create('impatient', 'http', '%s', '{slow.*}',
+		jsonb_build_object('secret', '%s', 'timeout', '200ms', 'max_attempts', 1))},
+	$sink->url('/slow'), $NEW_SECRET));
+$sink->set_mode('sleep 1 204');
+my $slow = publish('slow.thing', '{}');
+my $t_slow = time();
+relay_until_idle();
+cmp_ok(time() - $t_slow, '<', 0.9, 'the relay gave up after the timeout, not the answer');
+like($node->safe_psql('postgres', "SELECT state || ': ' || last_error FROM idempotency.deliveries WHERE event_id = '$slow'"),
+	qr/^dead: .*(?i)timed? ?out/, 'the attempt failed with a timeout');
+sleep 1.1;
+$sink->set_mode('204');
+$node->safe_psql('postgres', q{SELECT idem_destination_drop('impatient')});
 
 # ---- The sink is down for a while, then up.
 $sink->stop;

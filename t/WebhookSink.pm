@@ -10,7 +10,8 @@
 #
 # Every request is appended to a log (one line per request, written under
 # flock, so concurrent connections never interleave):
-#   received <time> <webhook-id>             when the request has arrived
+#   received <time> <webhook-id> <conn>      when the request has arrived, on
+#                                             connection <conn> (its server pid)
 #   answered <time> <webhook-id> <status> <verified> <key> <topic>
 #                                             just before the answer is sent
 # "key" and "topic" come from the event headers the test publishes
@@ -186,7 +187,7 @@ sub _serve
 			return unless $n;
 		}
 		my $id = $h{'webhook-id'} // '-';
-		$self->_log(sprintf("received %.6f %s", time(), $id));
+		$self->_log(sprintf("received %.6f %s %d", time(), $id, $$));
 
 		my $verified = $self->_verify(\%h, $body);
 		my $mode = $self->_mode;
@@ -219,7 +220,7 @@ sub entries
 		my @f = split / /, $l;
 		if ($f[0] eq 'received')
 		{
-			push @e, { what => 'received', time => $f[1], id => $f[2] };
+			push @e, { what => 'received', time => $f[1], id => $f[2], conn => $f[3] };
 		}
 		else
 		{

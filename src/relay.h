@@ -46,9 +46,11 @@ extern TimestampTz relay_next_due(void);
 extern int64 outbox_cleanup(int batch);
 
 /*
- * Wake the relay of database dbid.  Called at commit by every transaction
- * that published an event (or made dead letters or a paused destination
- * deliverable again).  Defined in relay_wakeup.c.
+ * Wake the relay of database dbid.  Called at commit (XACT_EVENT_COMMIT,
+ * once per transaction) by every transaction that published an event for
+ * some destination, redrove dead letters or resumed a destination.  It runs
+ * after the commit record is written, so it must not raise an error: setting
+ * the worker's latch is what it is for.  Defined in relay_wakeup.c.
  */
 extern void WorkerWakeRelay(Oid dbid);
 

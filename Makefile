@@ -10,7 +10,7 @@ PGFILEDESC = "idempotency - retried operations that take effect once"
 PG_CPPFLAGS = -I$(srcdir)/src
 PG_CFLAGS = -Wall -Wextra -Werror -Wno-unused-parameter \
 	-Wno-missing-field-initializers -Wno-sign-compare
-SHLIB_LINK += -lcrypto
+SHLIB_LINK += -lcrypto -lcurl
 
 # Test inputs follow the contrib layout: sql/ and expected/ for pg_regress,
 # specs/ for pg_isolation_regress, t/ for TAP.  test/run.sh runs them all on a
@@ -18,6 +18,8 @@ SHLIB_LINK += -lcrypto
 REGRESS = canonical claim errors commit_guard expiry execute privileges phases contract_tap
 # Background worker, inbox and statistics
 REGRESS += inbox stats
+# Transactional outbox and relay
+REGRESS += outbox outbox_errors outbox_privileges
 # Last: it re-creates the extension in a database of its own.
 REGRESS += upgrade
 ISOLATION = $(patsubst specs/%.spec,%,$(sort $(wildcard specs/*.spec)))

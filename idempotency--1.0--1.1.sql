@@ -188,3 +188,245 @@ RETURNS void
 AS 'MODULE_PATHNAME', 'idem_stats_reset'
 LANGUAGE C VOLATILE PARALLEL UNSAFE;
 REVOKE EXECUTE ON FUNCTION idem_stats_reset() FROM PUBLIC;
+
+-- Transactional outbox and relay
+
+/*
+ * Events written by idem_publish in the publisher's transaction.  seq orders
+ * events: publishers of the same key take the key's lock before drawing it,
+ * so same-key events commit in seq order.  The C code writes these tables
+ * directly (heap and index access), without CHECK constraints, foreign keys
+ * or triggers; column order matters to src/outbox.h.
+ */
+CREATE SEQUENCE idempotency.outbox_seq;
+
+CREATE TABLE idempotency.outbox (
+	event_id		uuid PRIMARY KEY,	-- UUIDv7, the id every consumer deduplicates on
+	seq				int8 NOT NULL,
+	topic			text NOT NULL,
+	key				text COLLATE "C",	-- per-key ordering; NULL: unordered
+	payload			jsonb NOT NULL,
+	headers			jsonb,				-- object of strings, or NULL
+	published_at	timestamptz NOT NULL
+);
+-- Retention cleanup finds old events by publication time.
+CREATE INDEX outbox_published_at_brin ON idempotency.outbox USING brin (published_at);
+
+/*
+ * Where events go.  Managed only through idem_destination_*(): options keeps
+ * what is not secret (for display), secrets and headers (which may carry
+ * credentials) are kept apart so that views never show them.  The relay reads
+ * the normalised columns.  Deliveries refer to a destination by id, so that a
+ * destination dropped and re-created under the same name never inherits its
+ * predecessor's deliveries.
+ */
+CREATE SEQUENCE idempotency.destination_id_seq AS int4;
+
+CREATE TABLE idempotency.destinations (
+	id					int4 PRIMARY KEY DEFAULT nextval('idempotency.destination_id_seq'),
+	name				text NOT NULL UNIQUE,
+	kind				text NOT NULL,		-- 'notify' | 'function' | 'http'
+	target				text NOT NULL,		-- channel, function signature, or URL
+	topics				text[] NOT NULL,	-- 'x' exactly, 'x*' by prefix, '*' all
+	func				regprocedure,		-- kind 'function': the function called
+	run_as				regrole NOT NULL,	-- role that created it: functions run as this role
+	search_path			text NOT NULL,		-- creator's search_path, for function calls
+	options				jsonb NOT NULL,		-- the non-secret options as given
+	secrets				text[],				-- kind 'http': whsec_ signing secrets
+	headers				jsonb,				-- kind 'http': extra request headers
+	max_attempts		int4 NOT NULL,
+	backoff_base_ms		int8 NOT NULL,
+	backoff_cap_ms		int8 NOT NULL,
+	timeout_ms			int8 NOT NULL,
+	paused				boolean NOT NULL DEFAULT false,
+	disabled_at			timestamptz,		-- set when an http endpoint answered 410
+	disabled_reason		text,
+	created_at			timestamptz NOT NULL DEFAULT now()
+);
+ALTER SEQUENCE idempotency.destination_id_seq OWNED BY idempotency.destinations.id;
+
+/*
+ * One row per (event, destination), written at publish time in the
+ * publisher's transaction.  event_id leads the primary key so that retention
+ * cleanup finds an event's remaining deliveries.  While a delivery is claimed,
+ * next_attempt_at is its visibility deadline and visible_until says so; a
+ * relay that dies leaves it to be claimed again after that deadline.
+ */
+CREATE TABLE idempotency.deliveries (
+	event_id			uuid NOT NULL,
+	destination_id		int4 NOT NULL,
+	seq					int8 NOT NULL,
+	key					text COLLATE "C",
+	state				text NOT NULL,		-- 'pending' | 'delivered' | 'dead'
+	attempts			int4 NOT NULL,
+	next_attempt_at		timestamptz NOT NULL,
+	visible_until		timestamptz,		-- set while claimed: the outcome is not recorded yet
+	first_attempt_at	timestamptz,
+	last_attempt_at		timestamptz,
+	delivered_at		timestamptz,
+	last_status			int4,				-- HTTP status of the last attempt
+	last_error			text,
+	PRIMARY KEY (event_id, destination_id)
+);
+-- The relay's claim: due pending deliveries, oldest first.
+CREATE INDEX deliveries_due ON idempotency.deliveries (next_attempt_at)
+	WHERE state = 'pending';
+-- Per-key order: is an earlier delivery of this key still undelivered?  Also
+-- each destination's backlog and dead letters, for idem_outbox_stats.
+CREATE INDEX deliveries_undelivered ON idempotency.deliveries (destination_id, key, seq)
+	WHERE state <> 'delivered';
+-- Retention cleanup.
+CREATE INDEX deliveries_delivered_at ON idempotency.deliveries (delivered_at)
+	WHERE state = 'delivered';
+
+/*
+ * Counters of each destination since its creation.  Each relay pass appends
+ * one row of increments per destination instead of updating a shared row, so
+ * concurrent relays never wait for each other here; cleanup folds the rows
+ * of a destination into one, and the view sums them.
+ */
+CREATE TABLE idempotency.destination_stats (
+	destination_id		int4 NOT NULL,
+	delivered			int8 NOT NULL DEFAULT 0,
+	retried				int8 NOT NULL DEFAULT 0,	-- failed attempts rescheduled
+	dead_lettered		int8 NOT NULL DEFAULT 0,
+	redelivered			int8 NOT NULL DEFAULT 0,	-- attempts repeated after an interrupted one
+	latency_sum_us		int8 NOT NULL DEFAULT 0,	-- publish to delivery, over delivered
+	last_latency_us		int8,
+	last_delivered_at	timestamptz
+);
+CREATE INDEX destination_stats_destination ON idempotency.destination_stats (destination_id);
+
+SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox', '');
+SELECT pg_catalog.pg_extension_config_dump('idempotency.outbox_seq', '');
+SELECT pg_catalog.pg_extension_config_dump('idempotency.destination_id_seq', '');
+SELECT pg_catalog.pg_extension_config_dump('idempotency.destinations', '');
+SELECT pg_catalog.pg_extension_config_dump('idempotency.deliveries', '');
+SELECT pg_catalog.pg_extension_config_dump('idempotency.destination_stats', '');
+
+/* Writes an event in the caller's transaction; callable by every role. */
+CREATE FUNCTION idem_publish(topic text, payload jsonb, key text DEFAULT NULL,
+							 headers jsonb DEFAULT NULL)
+RETURNS uuid
+AS 'MODULE_PATHNAME', 'idem_publish'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION idem_destination_create(name text, kind text, target text,
+										topics text[] DEFAULT '{*}',
+										options jsonb DEFAULT '{}')
+RETURNS void
+AS 'MODULE_PATHNAME', 'idem_destination_create'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+/* Replaces the options of a destination (secret rotation, retry policy). */
+CREATE FUNCTION idem_destination_alter(name text, options jsonb)
+RETURNS void
+AS 'MODULE_PATHNAME', 'idem_destination_alter'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION idem_destination_drop(name text)
+RETURNS void
+AS 'MODULE_PATHNAME', 'idem_destination_drop'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION idem_destination_pause(name text)
+RETURNS void
+AS 'MODULE_PATHNAME', 'idem_destination_pause'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION idem_destination_resume(name text)
+RETURNS void
+AS 'MODULE_PATHNAME', 'idem_destination_resume'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+/* One relay pass in the caller's transaction; returns the deliveries attempted. */
+CREATE FUNCTION idem_outbox_relay(max_events int4 DEFAULT 1000)
+RETURNS bigint
+AS 'MODULE_PATHNAME', 'idem_outbox_relay'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+/* Removes delivered events older than idempotency.outbox_retention. */
+CREATE FUNCTION idem_outbox_cleanup(batch int4 DEFAULT 10000)
+RETURNS bigint
+AS 'MODULE_PATHNAME', 'idem_outbox_cleanup'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+/* Dead letters back to pending, keeping their event id. */
+CREATE FUNCTION idem_outbox_redrive(event_id uuid, destination text DEFAULT NULL)
+RETURNS bigint
+AS 'MODULE_PATHNAME', 'idem_outbox_redrive'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION idem_outbox_redrive_dead(destination text, since timestamptz DEFAULT NULL)
+RETURNS bigint
+AS 'MODULE_PATHNAME', 'idem_outbox_redrive_dead'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+/* The envelope of one event: how a NOTIFY consumer reads a reference back. */
+CREATE FUNCTION idem_outbox_event(event_id uuid)
+RETURNS jsonb
+AS 'MODULE_PATHNAME', 'idem_outbox_event'
+LANGUAGE C STABLE PARALLEL RESTRICTED;
+
+/* Destinations as configured, without secrets or header values. */
+CREATE VIEW idem_destinations AS
+SELECT name, kind, target, topics, options,
+	   (SELECT array_agg(h ORDER BY h) FROM jsonb_object_keys(headers) h) AS header_names,
+	   coalesce(cardinality(secrets), 0) AS secret_count,
+	   paused, disabled_at, disabled_reason, created_at
+  FROM idempotency.destinations;
+
+/* Per-destination delivery statistics. */
+CREATE VIEW idem_outbox_stats AS
+SELECT d.name AS destination, d.kind,
+	   CASE WHEN d.disabled_at IS NOT NULL THEN 'disabled'
+			WHEN d.paused THEN 'paused' ELSE 'active' END AS status,
+	   coalesce(s.delivered, 0) AS delivered,
+	   coalesce(s.retried, 0) AS retried,
+	   coalesce(s.dead_lettered, 0) AS dead_lettered,
+	   q.dead,
+	   q.backlog,
+	   now() - q.oldest_pending AS oldest_pending_age,
+	   coalesce(s.redelivered, 0) AS redelivered,
+	   CASE WHEN s.delivered > 0
+			THEN make_interval(secs => s.latency_sum_us / s.delivered / 1e6) END AS avg_latency,
+	   make_interval(secs => s.last_latency_us / 1e6) AS last_latency,
+	   s.last_delivered_at
+  FROM idempotency.destinations d
+  LEFT JOIN LATERAL (
+		SELECT sum(delivered) AS delivered, sum(retried) AS retried,
+			   sum(dead_lettered) AS dead_lettered, sum(redelivered) AS redelivered,
+			   sum(latency_sum_us) AS latency_sum_us,
+			   (array_agg(last_latency_us ORDER BY last_delivered_at DESC NULLS LAST))[1] AS last_latency_us,
+			   max(last_delivered_at) AS last_delivered_at
+		  FROM idempotency.destination_stats
+		 WHERE destination_id = d.id) s ON true
+  LEFT JOIN LATERAL (
+		SELECT count(*) FILTER (WHERE x.state = 'pending') AS backlog,
+			   count(*) FILTER (WHERE x.state = 'dead') AS dead,
+			   min(o.published_at) FILTER (WHERE x.state = 'pending') AS oldest_pending
+		  FROM idempotency.deliveries x
+		  JOIN idempotency.outbox o USING (event_id)
+		 WHERE x.destination_id = d.id AND x.state <> 'delivered') q ON true;
+
+/* Dead letters, for inspection before a redrive. */
+CREATE VIEW idem_outbox_dead AS
+SELECT d.name AS destination, x.event_id, o.topic, o.key, x.attempts, x.last_status,
+	   x.last_error, x.first_attempt_at, x.last_attempt_at, o.published_at
+  FROM idempotency.deliveries x
+  JOIN idempotency.destinations d ON d.id = x.destination_id
+  JOIN idempotency.outbox o USING (event_id)
+ WHERE x.state = 'dead';
+
+-- Operators only: the extension owner grants these to a role of its choice.
+REVOKE ALL ON FUNCTION idem_destination_create(text, text, text, text[], jsonb) FROM PUBLIC;
+REVOKE ALL ON FUNCTION idem_destination_alter(text, jsonb) FROM PUBLIC;
+REVOKE ALL ON FUNCTION idem_destination_drop(text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION idem_destination_pause(text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION idem_destination_resume(text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION idem_outbox_relay(int4) FROM PUBLIC;
+REVOKE ALL ON FUNCTION idem_outbox_cleanup(int4) FROM PUBLIC;
+REVOKE ALL ON FUNCTION idem_outbox_redrive(uuid, text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION idem_outbox_redrive_dead(text, timestamptz) FROM PUBLIC;
+REVOKE ALL ON FUNCTION idem_outbox_event(uuid) FROM PUBLIC;
+REVOKE ALL ON idem_destinations, idem_outbox_stats, idem_outbox_dead FROM PUBLIC;

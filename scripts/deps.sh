@@ -7,7 +7,7 @@
 idem_packages=(
 	gcc make libc6-dev
 	postgresql-15 postgresql-server-dev-15 postgresql-15-pgtap
-	libssl-dev libipc-run-perl
+	libssl-dev libcurl4-openssl-dev libipc-run-perl
 )
 
 idem_install_deps() {

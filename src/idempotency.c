@@ -15,6 +15,7 @@
 
 #include "claims.h"
 #include "inbox.h"
+#include "outbox.h"
 #include "records.h"
 #include "stats.h"
 #include "worker.h"
@@ -35,5 +36,6 @@ _PG_init(void)
 	InboxInit();
 	StatsInit();
 	WorkerInit();
+	OutboxInit();
 	MarkGUCPrefixReserved("idempotency");
 }

@@ -27,6 +27,7 @@
 #include "port/atomics.h"
 #include "storage/ipc.h"
 #include "storage/lwlock.h"
+#include "storage/proc.h"
 #include "storage/shmem.h"
 #include "storage/spin.h"
 #include "utils/builtins.h"
@@ -43,6 +44,7 @@ typedef struct IdemStatsSlot
 {
 	Oid			dbid;			/* InvalidOid: free; changed under the LWLock */
 	int			worker_pid;		/* its cleanup worker, 0 if none; LWLock */
+	pg_atomic_uint32 worker_procno; /* the worker's PGPROC number + 1, 0 if none */
 	pg_atomic_uint64 counters[IDEM_STAT_NUM_COUNTERS];
 	slock_t		mutex;			/* protects the fields below */
 	TimestampTz stats_reset;
@@ -103,6 +105,7 @@ stats_slot_init(IdemStatsSlot *slot, Oid dbid)
 {
 	slot->dbid = dbid;
 	slot->worker_pid = 0;
+	pg_atomic_write_u32(&slot->worker_procno, 0);
 	for (int i = 0; i < IDEM_STAT_NUM_COUNTERS; i++)
 		pg_atomic_write_u64(&slot->counters[i], 0);
 	SpinLockAcquire(&slot->mutex);
@@ -276,7 +279,10 @@ stats_unregister_worker(int code, Datum arg)
 		return;
 	LWLockAcquire(stats->lock, LW_EXCLUSIVE);
 	if (slot->worker_pid == MyProcPid)
+	{
 		slot->worker_pid = 0;
+		pg_atomic_write_u32(&slot->worker_procno, 0);
+	}
 	LWLockRelease(stats->lock);
 }
 
@@ -295,12 +301,34 @@ idem_stats_register_worker(void)
 		return 0;
 	LWLockAcquire(stats->lock, LW_EXCLUSIVE);
 	if (slot->worker_pid == 0)
+	{
 		slot->worker_pid = MyProcPid;
+		pg_atomic_write_u32(&slot->worker_procno, MyProc->pgprocno + 1);
+	}
 	pid = slot->worker_pid;
 	LWLockRelease(stats->lock);
 	if (pid == MyProcPid)
 		before_shmem_exit(stats_unregister_worker, (Datum) 0);
 	return pid;
+}
+
+/*
+ * Wake this database's worker, e.g. at the commit of a transaction that
+ * published outbox events.  Lock-free: a process that just exited may leave
+ * a stale number behind, and waking whoever holds that PGPROC now is
+ * harmless; a worker that starts later finds the events on its first pass.
+ */
+void
+idem_stats_wake_worker(void)
+{
+	IdemStatsSlot *slot = stats_my_slot();
+	uint32		procno;
+
+	if (slot == NULL)
+		return;
+	procno = pg_atomic_read_u32(&slot->worker_procno);
+	if (procno != 0)
+		SetLatch(&ProcGlobal->allProcs[procno - 1].procLatch);
 }
 
 /* The PID of the cleanup worker registered for dbid, or 0. */

@@ -48,6 +48,7 @@ extern void idem_stats_add(IdemStatCounter counter, uint64 n);
 extern void idem_stats_report_cleanup(const IdemCleanupReport *report);
 
 extern int	idem_stats_register_worker(void);
+extern void idem_stats_wake_worker(void);
 extern int	idem_stats_worker_pid(Oid dbid);
 
 #endif							/* IDEM_STATS_H */

@@ -70,6 +70,8 @@
 
 #include "claims.h"
 #include "inbox.h"
+#include "outbox.h"
+#include "relay.h"
 #include "stats.h"
 #include "worker.h"
 
@@ -86,6 +88,15 @@
 #define DATABASE_RECHECK_MS		60000
 /* The launcher's longest sleep; worker exits wake it earlier. */
 #define LAUNCHER_NAP_MS			10000
+
+/* The relay's share of the worker before cleanup gets a turn. */
+#define RELAY_SLICE_MS			1000
+
+/*
+ * The shortest sleep when deliveries are due but none could be attempted
+ * (held behind an earlier event of their key, or claimed by another relay).
+ */
+#define RELAY_MIN_NAP_MS		1000
 
 int			idem_cleanup_interval = 60;
 int			idem_cleanup_batch_size = 10000;
@@ -699,6 +710,26 @@ worker_pass(void)
 }
 
 /*
+ * Deliver the outbox's due events, a batch per pass, for at most
+ * RELAY_SLICE_MS so that cleanup gets its turn; returns when the relay next
+ * has work (now, if the slice ran out), or 0 if nothing is scheduled.
+ */
+static TimestampTz
+worker_relay(void)
+{
+	TimestampTz start = GetCurrentTimestamp();
+
+	while (relay_run(relay_batch_size) > 0)
+	{
+		CHECK_FOR_INTERRUPTS();
+		worker_reload_if_pending();
+		if (TimestampDifferenceExceeds(start, GetCurrentTimestamp(), RELAY_SLICE_MS))
+			return GetCurrentTimestamp();
+	}
+	return relay_next_due();
+}
+
+/*
  * Main function of a per-database cleanup worker: a pass at start, then one
  * every idempotency.cleanup_interval.  It never holds a transaction open
  * while it sleeps.
@@ -739,9 +770,15 @@ idem_worker_main(Datum main_arg)
 	{
 		TimestampTz now;
 		TimestampTz next;
+		TimestampTz relay_due = 0;
+		long		timeout;
 
 		CHECK_FOR_INTERRUPTS();
 		worker_reload_if_pending();
+
+		/* The outbox first: a publishing commit set our latch. */
+		if (!RecoveryInProgress())
+			relay_due = worker_relay();
 
 		now = GetCurrentTimestamp();
 		next = TimestampTzPlusMilliseconds(last_pass, (int64) idem_cleanup_interval * 1000);
@@ -751,13 +788,19 @@ idem_worker_main(Datum main_arg)
 			if (RecoveryInProgress())
 				elog(DEBUG1, "idempotency cleanup skipped: recovery is in progress");
 			else
+			{
 				worker_pass();
+				(void) outbox_cleanup(idem_cleanup_batch_size);
+			}
 			continue;
 		}
 
+		timeout = TimestampDifferenceMilliseconds(now, next);
+		if (relay_due != 0)
+			timeout = Min(timeout, Max(TimestampDifferenceMilliseconds(now, relay_due),
+									   RELAY_MIN_NAP_MS));
 		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
-						 TimestampDifferenceMilliseconds(now, next),
-						 PG_WAIT_EXTENSION);
+						 timeout, PG_WAIT_EXTENSION);
 		ResetLatch(MyLatch);
 	}
 }

@@ -1,0 +1,281 @@
+#!/usr/bin/env bash
+# Relay benchmark: how many events per second the outbox relay delivers
+# through 'function', 'notify' and 'http' destinations, with the HTTP figure
+# set against what wrk gets from the same local nginx answering 204.
+#
+#   bash bench/relay.sh                          # about 2-3 minutes
+#   BENCH_EVENTS=20000 BENCH_ROUNDS=1 bash bench/relay.sh   # smoke run
+#
+# Runs as root: installs nginx-light and wrk if missing (Debian packages),
+# then runs PostgreSQL, nginx and wrk as the unprivileged user "postgres" on
+# loopback ports, in a temp dir removed at the end.  Needs the extension
+# installed (PG_BINDIR selects another installation's bin directory).
+#
+# Each measurement publishes BENCH_EVENTS events (1000 per transaction, the
+# publish rate is reported too), then times how long the relay takes to
+# deliver all of them:
+#   worker  relay_run() as the background worker calls it, in its own
+#           transactions (through the harness idem_relay_harness(),
+#           src/relay_harness.c), batches of idempotency.relay_batch_size
+#   sql     SELECT idem_outbox_relay(1000) repeatedly, one transaction each
+# The HTTP destination and wrk use the same number of concurrent requests
+# (idempotency.relay_max_in_flight, wrk -c) and the same body and headers.
+# Measurements alternate within each of BENCH_ROUNDS rounds, so load that
+# comes and goes on a shared machine hits both sides of a ratio alike.
+set -euo pipefail
+
+EVENTS=${BENCH_EVENTS:-50000}
+ROUNDS=${BENCH_ROUNDS:-2}
+WRK_SECS=${BENCH_WRK_SECONDS:-8}
+IN_FLIGHT=${BENCH_IN_FLIGHT:-64}
+BIN=${PG_BINDIR:-/usr/lib/postgresql/15/bin}
+PORT=${BENCH_PORT:-5760}
+
+[ "$(id -u)" -eq 0 ] || { echo "run as root (the servers run as user postgres)" >&2; exit 1; }
+[ -x "$BIN/postgres" ] || { echo "$BIN/postgres not found: install postgresql-15" >&2; exit 1; }
+
+# nginx and wrk from Debian.  Installing nginx must not start a system-wide
+# nginx on port 80: a policy-rc.d that refuses service starts, only if there
+# is none already, removed again afterwards.
+if ! command -v nginx >/dev/null || ! command -v wrk >/dev/null; then
+	echo "installing nginx-light and wrk ..."
+	made_policy=0
+	if [ ! -e /usr/sbin/policy-rc.d ]; then
+		printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+		chmod +x /usr/sbin/policy-rc.d
+		made_policy=1
+	fi
+	export DEBIAN_FRONTEND=noninteractive
+	apt-get update -qq
+	apt-get install -y -qq --no-install-recommends nginx-light wrk >/dev/null
+	[ "$made_policy" -eq 1 ] && rm -f /usr/sbin/policy-rc.d
+fi
+
+as_pg() { runuser -u postgres -- "$@"; }
+
+WORK=$(mktemp -d /tmp/idem-relay-bench.XXXXXX)
+chmod 755 "$WORK"
+cd "$WORK"
+DATA=$WORK/data
+PG_STARTED=0
+NGINX_STARTED=0
+cleanup() {
+	local rc=$?
+	[ "$NGINX_STARTED" -eq 1 ] && kill "$(cat "$WORK/nginx/nginx.pid" 2>/dev/null)" 2>/dev/null || true
+	if [ "$PG_STARTED" -eq 1 ]; then
+		as_pg "$BIN/pg_ctl" -D "$DATA" -m fast -w stop >/dev/null 2>&1 \
+			|| as_pg "$BIN/pg_ctl" -D "$DATA" -m immediate -w stop >/dev/null 2>&1 || true
+	fi
+	rm -rf "$WORK"
+	exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# Two free loopback ports: PostgreSQL's (socket only, but its lock file
+# must be free) and nginx's.
+free_port() {
+	local p=$1
+	while (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null || [ -e "/tmp/.s.PGSQL.$p.lock" ] \
+		|| [ -e "/var/run/postgresql/.s.PGSQL.$p.lock" ]; do
+		p=$((p + 1))
+	done
+	echo "$p"
+}
+PORT=$(free_port "$PORT")
+HTTP_PORT=$(free_port $((PORT + 1)))
+
+# ---------------------------------------------------------------- nginx
+mkdir -p "$WORK/nginx"
+cat >"$WORK/nginx/nginx.conf" <<EOF
+worker_processes 1;
+pid $WORK/nginx/nginx.pid;
+error_log $WORK/nginx/error.log warn;
+events { worker_connections 1000; }
+http {
+	access_log off;
+	client_body_temp_path $WORK/nginx/body;
+	proxy_temp_path $WORK/nginx/proxy;
+	fastcgi_temp_path $WORK/nginx/fastcgi;
+	uwsgi_temp_path $WORK/nginx/uwsgi;
+	scgi_temp_path $WORK/nginx/scgi;
+	keepalive_requests 10000000;
+	server {
+		listen 127.0.0.1:$HTTP_PORT;
+		location / { return 204; }
+	}
+}
+EOF
+# What the relay sends, for wrk: the payload the events carry, and headers
+# of the same sizes as the relay's.
+cat >"$WORK/nginx/post.lua" <<'EOF'
+wrk.method = "POST"
+wrk.body = '{"amount": 10, "currency": "EUR", "order": 123456}'
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["webhook-id"] = "01a2270b-7091-7000-8000-000000000000"
+wrk.headers["webhook-timestamp"] = "1800000000"
+wrk.headers["webhook-signature"] = "v1,K5oZfzN95Z9UVu1EsfQmfVNQhnkZ2pj9o9NDN/H/pI4="
+wrk.headers["User-Agent"] = "idempotency-relay/1.1"
+EOF
+chown -R postgres: "$WORK"
+as_pg nginx -c "$WORK/nginx/nginx.conf" -p "$WORK/nginx" -e "$WORK/nginx/error.log"
+NGINX_STARTED=1
+
+# ---------------------------------------------------------------- PostgreSQL
+as_pg "$BIN/initdb" -D "$DATA" -U postgres -A trust -E UTF8 --no-locale >"$WORK/initdb.log" 2>&1 \
+	|| { cat "$WORK/initdb.log"; exit 1; }
+cat >>"$DATA/postgresql.conf" <<EOF
+
+# idempotency relay benchmark
+port = $PORT
+listen_addresses = ''
+unix_socket_directories = '$WORK'
+shared_preload_libraries = 'idempotency'
+synchronous_commit = off        # measure CPU cost, not fsync latency (as bench/run.sh)
+shared_buffers = 256MB
+max_wal_size = 8GB
+checkpoint_timeout = 30min
+log_min_messages = warning
+idempotency.relay_max_in_flight = $IN_FLIGHT
+EOF
+as_pg "$BIN/pg_ctl" -D "$DATA" -l "$WORK/server.log" -w start >/dev/null \
+	|| { cat "$WORK/server.log"; exit 1; }
+PG_STARTED=1
+
+sql() { as_pg "$BIN/psql" -X -q -At -v ON_ERROR_STOP=1 -h "$WORK" -p "$PORT" -U postgres -d postgres "$@"; }
+
+sql <<EOF
+CREATE EXTENSION idempotency;
+CREATE FUNCTION idem_relay_harness(max_events int, max_passes int) RETURNS bigint
+	AS 'idempotency', 'idem_relay_harness' LANGUAGE C STRICT;
+-- What a function destination typically does: write the event elsewhere.
+CREATE TABLE inbox (event_id uuid PRIMARY KEY, topic text, payload jsonb);
+CREATE FUNCTION to_inbox(event jsonb) RETURNS void LANGUAGE sql AS \$\$
+	INSERT INTO inbox VALUES ((event->>'id')::uuid, event->>'topic', event->'payload')
+\$\$;
+SELECT idem_destination_create('fn', 'function', 'to_inbox(jsonb)', '{fn.*}');
+SELECT idem_destination_create('chan', 'notify', 'bench_events', '{chan.*}');
+SELECT idem_destination_create('hook', 'http', 'http://127.0.0.1:$HTTP_PORT/hook', '{hook.*}',
+	'{"secret": "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"}');
+EOF
+
+LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
+
+now() { date +%s.%N; }
+
+# publish TOPIC: EVENTS events, 1000 per transaction; prints seconds.
+publish() {
+	local t0 t1
+	t0=$(now)
+	sql >/dev/null -c "DO \$\$
+		BEGIN
+			FOR i IN 1 .. ceil($EVENTS / 1000.0) LOOP
+				PERFORM idem_publish('$1', jsonb_build_object('order', 100000 + g, 'amount', 10, 'currency', 'EUR'))
+				   FROM generate_series(1, least(1000, $EVENTS - (i - 1) * 1000)) g;
+				COMMIT;
+			END LOOP;
+		END \$\$"
+	t1=$(now)
+	awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", b - a }'
+}
+
+# Garbage of one measurement must not slow the next one down.
+settle() {
+	sql -c "TRUNCATE inbox" -c "SET idempotency.outbox_retention = 0" -c "SELECT idem_outbox_cleanup(100000)" >/dev/null
+	sql -c "VACUUM ANALYZE idempotency.outbox, idempotency.deliveries, idempotency.destination_stats" -c "CHECKPOINT" >/dev/null
+}
+
+# drain PATH: deliver everything pending; prints "seconds attempted".
+drain() {
+	local t0 t1 n
+	t0=$(now)
+	if [ "$1" = worker ]; then
+		n=$(sql -c "SELECT idem_relay_harness(1000, 1000000)")
+	else
+		n=$(sql -c "DO \$\$ DECLARE n bigint; total bigint := 0;
+			BEGIN
+				LOOP
+					n := idem_outbox_relay(1000);
+					EXIT WHEN n = 0;
+					total := total + n;
+					COMMIT;
+				END LOOP;
+				RAISE NOTICE 'attempted %', total;
+			END \$\$" 2>&1 | sed -n 's/.*attempted \([0-9]*\).*/\1/p')
+	fi
+	t1=$(now)
+	echo "$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", b - a }') $n"
+}
+
+check_delivered() {
+	local left
+	left=$(sql -c "SELECT count(*) FROM idempotency.deliveries WHERE state <> 'delivered'")
+	[ "$left" = 0 ] || { echo "!! $left deliveries not delivered" >&2; exit 1; }
+}
+
+declare -A SECS=() COUNT=()
+add() { # add KEY SECONDS COUNT
+	SECS[$1]=$(awk -v a="${SECS[$1]:-0}" -v b="$2" 'BEGIN { print a + b }')
+	COUNT[$1]=$(( ${COUNT[$1]:-0} + $3 ))
+}
+
+# measure KIND PATH: publish to KIND's destination, drain through PATH.
+measure() {
+	local kind=$1 path=$2 ps s n
+	settle
+	ps=$(publish "$kind.created")
+	add publish "$ps" "$EVENTS"
+	read -r s n < <(drain "$path")
+	check_delivered
+	[ "$n" = "$EVENTS" ] || { echo "!! $kind/$path attempted $n deliveries, expected $EVENTS" >&2; exit 1; }
+	add "$kind-$path" "$s" "$n"
+	printf '   %-8s %-6s %7d events in %6.2fs: %8.0f events/s   (published at %.0f events/s)\n' \
+		"$kind" "$path" "$n" "$s" "$(awk -v n="$n" -v s="$s" 'BEGIN { print n / s }')" \
+		"$(awk -v n="$EVENTS" -v s="$ps" 'BEGIN { print n / s }')"
+}
+
+# wrk against the same nginx, IN_FLIGHT connections.
+run_wrk() {
+	local threads=$1 out req
+	out=$(as_pg wrk -t"$threads" -c"$IN_FLIGHT" -d"${WRK_SECS}s" -s "$WORK/nginx/post.lua" \
+		"http://127.0.0.1:$HTTP_PORT/hook")
+	req=$(echo "$out" | sed -n 's/^ *\([0-9]*\) requests in \([0-9.]*\)s.*/\1 \2/p')
+	read -r n s <<<"$req"
+	add "wrk-t$threads" "$s" "$n"
+	printf '   %-8s %-6s %7d requests in %6.2fs: %8.0f requests/s\n' "wrk" "-t$threads" "$n" "$s" \
+		"$(awk -v n="$n" -v s="$s" 'BEGIN { print n / s }')"
+}
+
+echo "relay benchmark: $EVENTS events per measurement, $ROUNDS rounds, $IN_FLIGHT requests in flight"
+echo "PostgreSQL $(sql -c 'SHOW server_version' | cut -d' ' -f1), $(nproc) cores, load average at start: $LOAD_START"
+for ((round = 1; round <= ROUNDS; round++)); do
+	echo "== round $round"
+	if ((round % 2)); then
+		measure hook worker; run_wrk 1; run_wrk 2
+	else
+		run_wrk 2; run_wrk 1; measure hook worker
+	fi
+	measure fn worker
+	measure fn sql
+	measure chan worker
+	measure chan sql
+done
+
+rate() { awk -v n="${COUNT[$1]}" -v s="${SECS[$1]}" 'BEGIN { printf "%.0f", n / s }'; }
+FN=$(rate fn-worker)
+HTTP=$(rate hook-worker)
+WRK1=$(rate wrk-t1)
+WRK2=$(rate wrk-t2)
+echo
+echo "== summary (all rounds; load average at end: $(cut -d' ' -f1-3 /proc/loadavg))"
+printf '%-44s %10s  %s\n' "measurement" "events/s" "note"
+printf '%-44s %10s  %s\n' "publish (idem_publish, 1000 per transaction)" "$(rate publish)" ""
+printf '%-44s %10s  %s\n' "function destination, worker path" "$FN" "target >= 10000"
+printf '%-44s %10s  %s\n' "function destination, idem_outbox_relay()" "$(rate fn-sql)" ""
+printf '%-44s %10s  %s\n' "notify destination, worker path" "$(rate chan-worker)" "target >= 10000"
+printf '%-44s %10s  %s\n' "notify destination, idem_outbox_relay()" "$(rate chan-sql)" ""
+printf '%-44s %10s  %s\n' "http destination (nginx 204), worker path" "$HTTP" ""
+printf '%-44s %10s  %s\n' "wrk -t1 -c$IN_FLIGHT, same nginx" "$WRK1" "requests/s"
+printf '%-44s %10s  %s\n' "wrk -t2 -c$IN_FLIGHT, same nginx" "$WRK2" "requests/s"
+printf '%-44s %10s  %s\n' "ratio http / wrk -t1" "$(awk -v a="$HTTP" -v b="$WRK1" 'BEGIN { printf "%.2f", a / b }')" "target >= 0.5"
+printf '%-44s %10s  %s\n' "ratio http / wrk -t2" "$(awk -v a="$HTTP" -v b="$WRK2" 'BEGIN { printf "%.2f", a / b }')" "target >= 0.5"

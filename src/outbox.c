@@ -1,0 +1,652 @@
+/*-------------------------------------------------------------------------
+ *
+ * outbox.c
+ *	  idem_publish: an event written in the caller's transaction.
+ *
+ * An endpoint's domain write and the event that announces it must commit
+ * together, or the event is either lost (commit, then crash before sending)
+ * or false (sent, then rolled back).  idem_publish therefore only writes:
+ * one row in idempotency.outbox and, in the same transaction, one row in
+ * idempotency.deliveries per destination whose topics match (fan-out at
+ * publish time: a relay that walked the outbox by seq would miss an event
+ * whose transaction commits after a later one's).  The relay (relay.c)
+ * delivers what committed; at commit we wake it.
+ *
+ * Like idem_claim, this runs for any role: it writes with direct heap and
+ * index access, so the caller needs no privilege on the private schema.
+ *
+ * Events with the same key must reach a destination in publish order.  The
+ * publisher takes a transaction-level lock on a hash of the key before it
+ * draws the event's seq, so same-key events commit in seq order, and the
+ * relay attempts a delivery only when no earlier one of its key is
+ * undelivered.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include <limits.h>
+
+#include "access/genam.h"
+#include "access/heapam.h"
+#include "access/htup_details.h"
+#include "access/table.h"
+#include "access/tableam.h"
+#include "access/xact.h"
+#include "catalog/namespace.h"
+#include "catalog/pg_type.h"
+#include "commands/sequence.h"
+#include "common/hashfn.h"
+#include "executor/executor.h"
+#include "executor/spi.h"
+#include "miscadmin.h"
+#include "nodes/makefuncs.h"
+#include "storage/lmgr.h"
+#include "storage/lock.h"
+#include "utils/array.h"
+#include "utils/builtins.h"
+#include "utils/guc.h"
+#include "utils/inval.h"
+#include "utils/lsyscache.h"
+#include "utils/rel.h"
+#include "utils/snapmgr.h"
+#include "utils/syscache.h"
+
+#include "outbox.h"
+#include "relay.h"
+
+#define OUTBOX_SCHEMA	"idempotency"
+
+int			outbox_retention = 7 * 86400;
+int			relay_batch_size = 1000;
+int			relay_max_in_flight = 64;
+int			outbox_max_event_bytes = 1024 * 1024;
+int			relay_visibility_margin = 30000;
+
+/* Set by idem_publish (and the operator functions): wake the relay at commit. */
+static bool wake_at_commit = false;
+
+/* Cached OIDs, reset by relcache invalidation (DROP/CREATE EXTENSION). */
+static Oid	cached_outbox = InvalidOid;
+static Oid	cached_deliveries = InvalidOid;
+static Oid	cached_destinations = InvalidOid;
+static Oid	cached_seq = InvalidOid;
+
+/* Forget the cached OIDs when one of the relations may have been dropped. */
+static void
+outbox_relcache_callback(Datum arg, Oid relid)
+{
+	if (relid == InvalidOid || relid == cached_outbox ||
+		relid == cached_deliveries || relid == cached_destinations ||
+		relid == cached_seq)
+	{
+		cached_outbox = InvalidOid;
+		cached_deliveries = InvalidOid;
+		cached_destinations = InvalidOid;
+		cached_seq = InvalidOid;
+	}
+}
+
+/* At commit, wake the relay if this transaction gave it work. */
+static void
+outbox_xact_callback(XactEvent event, void *arg)
+{
+	switch (event)
+	{
+		case XACT_EVENT_COMMIT:
+			if (wake_at_commit)
+			{
+				wake_at_commit = false;
+				WorkerWakeRelay(MyDatabaseId);
+			}
+			break;
+		case XACT_EVENT_ABORT:
+		case XACT_EVENT_PREPARE:
+			wake_at_commit = false;
+			break;
+		default:
+			break;
+	}
+}
+
+/* Define the outbox's GUCs and callbacks; called from _PG_init. */
+void
+OutboxInit(void)
+{
+	DefineCustomIntVariable("idempotency.outbox_retention",
+							"How long delivered events are kept before cleanup removes them.",
+							"Dead-lettered events are kept until they are redriven and delivered.",
+							&outbox_retention,
+							7 * 86400, 0, INT_MAX,
+							PGC_SUSET, GUC_UNIT_S,
+							NULL, NULL, NULL);
+	DefineCustomIntVariable("idempotency.relay_batch_size",
+							"Most deliveries the relay claims in one pass.",
+							NULL,
+							&relay_batch_size,
+							1000, 1, 100000,
+							PGC_SUSET, 0,
+							NULL, NULL, NULL);
+	DefineCustomIntVariable("idempotency.relay_max_in_flight",
+							"Most HTTP requests the relay has in flight at once.",
+							NULL,
+							&relay_max_in_flight,
+							64, 1, 10000,
+							PGC_SUSET, 0,
+							NULL, NULL, NULL);
+	DefineCustomIntVariable("idempotency.relay_visibility_margin",
+							"How long past the time its HTTP requests may take a claimed delivery stays hidden from other relays.",
+							"A relay that dies leaves its claims to be taken again after this; too short, and a slow relay's deliveries are sent twice.",
+							&relay_visibility_margin,
+							30000, 0, INT_MAX,
+							PGC_SUSET, GUC_UNIT_MS,
+							NULL, NULL, NULL);
+	DefineCustomIntVariable("idempotency.max_event_bytes",
+							"Largest event idem_publish accepts, payload and headers together.",
+							NULL,
+							&outbox_max_event_bytes,
+							1024 * 1024, 0, MaxAllocSize,
+							PGC_SUSET, GUC_UNIT_BYTE,
+							NULL, NULL, NULL);
+
+	CacheRegisterRelcacheCallback(outbox_relcache_callback, (Datum) 0);
+	RegisterXactCallback(outbox_xact_callback, NULL);
+}
+
+/* Ask for the relay to be woken when this transaction commits. */
+void
+outbox_wake_at_commit(void)
+{
+	wake_at_commit = true;
+}
+
+/* Whether the outbox tables exist in this database (the extension at 1.1). */
+bool
+outbox_installed(void)
+{
+	Oid			nspid = get_namespace_oid(OUTBOX_SCHEMA, true);
+
+	return OidIsValid(nspid) &&
+		OidIsValid(get_relname_relid("deliveries", nspid)) &&
+		OidIsValid(get_relname_relid("destinations", nspid));
+}
+
+/* The OID of idempotency.<relname>, with a clear error if the extension is absent. */
+Oid
+outbox_relid(const char *relname)
+{
+	Oid			nspid = get_namespace_oid(OUTBOX_SCHEMA, true);
+	Oid			relid = OidIsValid(nspid) ? get_relname_relid(relname, nspid) : InvalidOid;
+
+	if (!OidIsValid(relid))
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_TABLE),
+				 errmsg("extension \"idempotency\" is not installed in this database, or not at version 1.1"),
+				 errhint("Run CREATE EXTENSION idempotency, or ALTER EXTENSION idempotency UPDATE.")));
+	return relid;
+}
+
+/* Look up the relations idem_publish writes, once per invalidation. */
+static void
+outbox_resolve(void)
+{
+	if (OidIsValid(cached_seq))
+		return;
+	cached_outbox = outbox_relid("outbox");
+	cached_deliveries = outbox_relid("deliveries");
+	cached_destinations = outbox_relid("destinations");
+	cached_seq = outbox_relid("outbox_seq");
+}
+
+/*
+ * Run what follows as the owner of the extension's tables, in a
+ * security-restricted operation with search_path pg_catalog, pg_temp (the
+ * way core runs maintenance code): the caller's identity and settings can
+ * change nothing about the queries.  Undone by outbox_restore_user, or by
+ * the (sub)transaction's abort.
+ */
+void
+outbox_become_owner(OutboxOwnerState *state)
+{
+	HeapTuple	tuple;
+	Oid			owner;
+	Oid			relid = outbox_relid("destinations");
+
+	tuple = SearchSysCache1(RELOID, ObjectIdGetDatum(relid));
+	if (!HeapTupleIsValid(tuple))
+		elog(ERROR, "cache lookup failed for relation %u", relid);
+	owner = ((Form_pg_class) GETSTRUCT(tuple))->relowner;
+	ReleaseSysCache(tuple);
+
+	GetUserIdAndSecContext(&state->save_userid, &state->save_sec_context);
+	SetUserIdAndSecContext(owner, state->save_sec_context |
+						   SECURITY_LOCAL_USERID_CHANGE |
+						   SECURITY_RESTRICTED_OPERATION);
+	state->save_nestlevel = NewGUCNestLevel();
+	(void) set_config_option("search_path", "pg_catalog, pg_temp",
+							 PGC_USERSET, PGC_S_SESSION,
+							 GUC_ACTION_SAVE, true, 0, false);
+}
+
+/* Back to the caller's identity and settings. */
+void
+outbox_restore_user(OutboxOwnerState *state)
+{
+	AtEOXact_GUC(true, state->save_nestlevel);
+	SetUserIdAndSecContext(state->save_userid, state->save_sec_context);
+}
+
+/*
+ * Whether topic matches one of the destination's patterns: '*' matches
+ * every topic, 'prefix*' every topic that starts with prefix, anything else
+ * only itself.
+ */
+bool
+outbox_topic_matches(Datum topics, text *topic)
+{
+	ArrayType  *arr = DatumGetArrayTypeP(topics);
+	Datum	   *elems;
+	bool	   *nulls;
+	int			n;
+	const char *t = VARDATA_ANY(topic);
+	int			tlen = VARSIZE_ANY_EXHDR(topic);
+	bool		match = false;
+
+	deconstruct_array(arr, TEXTOID, -1, false, TYPALIGN_INT, &elems, &nulls, &n);
+	for (int i = 0; i < n && !match; i++)
+	{
+		text	   *pat;
+		const char *p;
+		int			plen;
+
+		if (nulls[i])
+			continue;
+		pat = DatumGetTextPP(elems[i]);
+		p = VARDATA_ANY(pat);
+		plen = VARSIZE_ANY_EXHDR(pat);
+		if (plen > 0 && p[plen - 1] == '*')
+			match = (tlen >= plen - 1 && memcmp(p, t, plen - 1) == 0);
+		else
+			match = (plen == tlen && memcmp(p, t, tlen) == 0);
+	}
+	pfree(elems);
+	pfree(nulls);
+	return match;
+}
+
+/* A UUID version 7 (RFC 9562): 48 bits of Unix milliseconds, then 74 random bits. */
+static void
+outbox_uuid_v7(pg_uuid_t *uuid, TimestampTz now)
+{
+	uint64		ms = (uint64) (now / 1000) +
+		(uint64) (POSTGRES_EPOCH_JDATE - UNIX_EPOCH_JDATE) * SECS_PER_DAY * 1000;
+
+	for (int i = 0; i < 6; i++)
+		uuid->data[i] = (unsigned char) (ms >> (8 * (5 - i)));
+	if (!pg_strong_random(&uuid->data[6], UUID_LEN - 6))
+		ereport(ERROR,
+				(errcode(ERRCODE_INTERNAL_ERROR),
+				 errmsg("could not generate random values")));
+	uuid->data[6] = (uuid->data[6] & 0x0F) | 0x70;	/* version 7 */
+	uuid->data[8] = (uuid->data[8] & 0x3F) | 0x80;	/* RFC 9562 variant */
+}
+
+/* A character HTTP allows in a header name (RFC 9110 tchar). */
+static inline bool
+is_tchar(unsigned char c)
+{
+	return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+		(c >= '0' && c <= '9') || strchr("!#$%&'*+-.^_`|~", c) != NULL;
+}
+
+/*
+ * Check a headers object: names are HTTP tokens, values strings without
+ * control characters (no header injection), and none of the names the relay
+ * sets itself.  what names the argument in messages.
+ */
+void
+outbox_check_headers(Jsonb *headers, const char *what)
+{
+	static const char *const reserved[] = {
+		"content-type", "content-length", "host", "connection",
+		"transfer-encoding", "webhook-id", "webhook-timestamp",
+		"webhook-signature", NULL
+	};
+	JsonbIterator *it;
+	JsonbValue	v;
+	JsonbIteratorToken tok;
+	char	   *name = NULL;
+
+	if (!JB_ROOT_IS_OBJECT(headers) || JB_ROOT_IS_SCALAR(headers))
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s must be a JSON object", what)));
+
+	it = JsonbIteratorInit(&headers->root);
+	while ((tok = JsonbIteratorNext(&it, &v, true)) != WJB_DONE)
+	{
+		if (tok == WJB_KEY)
+		{
+			name = pnstrdup(v.val.string.val, v.val.string.len);
+
+			if (v.val.string.len == 0)
+				ereport(ERROR,
+						(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+						 errmsg("a header name in %s must not be empty", what)));
+			for (int i = 0; i < v.val.string.len; i++)
+				if (!is_tchar((unsigned char) name[i]))
+					ereport(ERROR,
+							(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+							 errmsg("invalid header name \"%s\" in %s", name, what),
+							 errdetail("A header name is an HTTP token: letters, digits and !#$%%&'*+-.^_`|~.")));
+			for (int i = 0; reserved[i] != NULL; i++)
+				if (pg_strcasecmp(name, reserved[i]) == 0)
+					ereport(ERROR,
+							(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+							 errmsg("%s must not set header \"%s\"", what, name),
+							 errdetail("The relay sets Content-Type, Content-Length, Host, Connection, Transfer-Encoding and the webhook-* headers itself.")));
+		}
+		else if (tok == WJB_VALUE)
+		{
+			if (v.type != jbvString)
+				ereport(ERROR,
+						(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+						 errmsg("header \"%s\" in %s must have a string value", name, what)));
+			for (int i = 0; i < v.val.string.len; i++)
+			{
+				unsigned char c = (unsigned char) v.val.string.val[i];
+
+				if ((c < 0x20 && c != '\t') || c == 0x7F)
+					ereport(ERROR,
+							(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+							 errmsg("header \"%s\" in %s must not contain control characters", name, what)));
+			}
+		}
+	}
+}
+
+/* Check a topic, key or name: non-empty and at most OUTBOX_MAX_NAME_LEN bytes. */
+void
+outbox_check_name(text *value, const char *what)
+{
+	int			len = VARSIZE_ANY_EXHDR(value);
+
+	if (len == 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s must not be empty", what)));
+	if (len > OUTBOX_MAX_NAME_LEN)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s is too long", what),
+				 errdetail("It has %d bytes; at most %d are allowed.",
+						   len, OUTBOX_MAX_NAME_LEN)));
+}
+
+/*
+ * Inserting rows the way the executor does, so that every index of the table
+ * (partial ones included) is maintained, without the planner or SPI.
+ */
+typedef struct OutboxWriter
+{
+	Relation	rel;
+	EState	   *estate;
+	ResultRelInfo *rri;
+	TupleTableSlot *slot;
+} OutboxWriter;
+
+/* Open relid for inserts; the RowExclusiveLock is kept until the transaction ends. */
+static void
+writer_open(OutboxWriter *w, Oid relid)
+{
+	w->rel = table_open(relid, RowExclusiveLock);
+	w->estate = CreateExecutorState();
+	w->rri = makeNode(ResultRelInfo);
+	InitResultRelInfo(w->rri, w->rel, 1, NULL, 0);
+	ExecOpenIndices(w->rri, false);
+	w->slot = MakeSingleTupleTableSlot(RelationGetDescr(w->rel), &TTSOpsVirtual);
+}
+
+/* Insert one row and its index entries. */
+static void
+writer_insert(OutboxWriter *w, Datum *values, bool *nulls)
+{
+	TupleTableSlot *slot = w->slot;
+	int			natts = RelationGetDescr(w->rel)->natts;
+
+	ExecClearTuple(slot);
+	memcpy(slot->tts_values, values, natts * sizeof(Datum));
+	memcpy(slot->tts_isnull, nulls, natts * sizeof(bool));
+	ExecStoreVirtualTuple(slot);
+	simple_table_tuple_insert(w->rel, slot);
+	if (w->rri->ri_NumIndices > 0)
+		list_free(ExecInsertIndexTuples(w->rri, slot, w->estate,
+										false, false, NULL, NIL));
+	ResetPerTupleExprContext(w->estate);
+}
+
+/* Done inserting; the table stays locked until the transaction ends. */
+static void
+writer_close(OutboxWriter *w)
+{
+	ExecDropSingleTupleTableSlot(w->slot);
+	ExecCloseIndices(w->rri);
+	FreeExecutorState(w->estate);
+	table_close(w->rel, NoLock);
+}
+
+/*
+ * Take the publishing lock of an event key, held until the transaction ends:
+ * same-key publishers thus draw their seq in the order they commit.
+ */
+static void
+outbox_key_lock(text *key)
+{
+	LOCKTAG		tag;
+	uint64		h = hash_bytes_extended((const unsigned char *) VARDATA_ANY(key),
+										VARSIZE_ANY_EXHDR(key), 0);
+
+	SET_LOCKTAG_ADVISORY(tag, MyDatabaseId, (uint32) (h >> 32), (uint32) h,
+						 OUTBOX_LOCK_CLASS);
+	(void) LockAcquire(&tag, ExclusiveLock, false, false);
+}
+
+/*
+ * Insert one pending delivery per destination whose topics match, in this
+ * transaction.  The destinations are read with the latest snapshot, not the
+ * statement's: a destination created a moment ago gets the event.  A
+ * destination dropped while this transaction is open may still get a
+ * delivery row; the relay never claims it (its destination is gone) and
+ * cleanup removes it.  Returns the number of deliveries.
+ */
+static int
+outbox_fan_out(pg_uuid_t *event_id, int64 seq, text *topic, text *key,
+			   TimestampTz now)
+{
+	OutboxWriter w;
+	Relation	dests;
+	Snapshot	snapshot;
+	TableScanDesc scan;
+	HeapTuple	tuple;
+	Datum		values[Natts_deliveries];
+	bool		nulls[Natts_deliveries];
+	int			n = 0;
+
+	writer_open(&w, cached_deliveries);
+
+	memset(nulls, true, sizeof(nulls));
+	values[Anum_deliveries_event_id - 1] = UUIDPGetDatum(event_id);
+	nulls[Anum_deliveries_event_id - 1] = false;
+	values[Anum_deliveries_seq - 1] = Int64GetDatum(seq);
+	nulls[Anum_deliveries_seq - 1] = false;
+	values[Anum_deliveries_key - 1] = PointerGetDatum(key);
+	nulls[Anum_deliveries_key - 1] = (key == NULL);
+	values[Anum_deliveries_state - 1] = CStringGetTextDatum("pending");
+	nulls[Anum_deliveries_state - 1] = false;
+	values[Anum_deliveries_attempts - 1] = Int32GetDatum(0);
+	nulls[Anum_deliveries_attempts - 1] = false;
+	values[Anum_deliveries_next_attempt_at - 1] = TimestampTzGetDatum(now);
+	nulls[Anum_deliveries_next_attempt_at - 1] = false;
+	nulls[Anum_deliveries_destination_id - 1] = false;
+
+	dests = table_open(cached_destinations, AccessShareLock);
+	snapshot = RegisterSnapshot(GetLatestSnapshot());
+	scan = table_beginscan(dests, snapshot, 0, NULL);
+	while ((tuple = heap_getnext(scan, ForwardScanDirection)) != NULL)
+	{
+		bool		isnull;
+		Datum		id = heap_getattr(tuple, Anum_destinations_id,
+									  RelationGetDescr(dests), &isnull);
+		Datum		topics = heap_getattr(tuple, Anum_destinations_topics,
+										  RelationGetDescr(dests), &isnull);
+
+		if (isnull || !outbox_topic_matches(topics, topic))
+			continue;
+		values[Anum_deliveries_destination_id - 1] = id;
+		writer_insert(&w, values, nulls);
+		n++;
+	}
+	table_endscan(scan);
+	UnregisterSnapshot(snapshot);
+	table_close(dests, AccessShareLock);
+	writer_close(&w);
+	return n;
+}
+
+PG_FUNCTION_INFO_V1(idem_publish);
+PG_FUNCTION_INFO_V1(idem_outbox_event);
+
+/*
+ * idem_publish(topic, payload, key, headers) returns uuid: write an event in
+ * the caller's transaction and return its id.
+ */
+Datum
+idem_publish(PG_FUNCTION_ARGS)
+{
+	text	   *topic;
+	Jsonb	   *payload;
+	text	   *key = NULL;
+	Jsonb	   *headers = NULL;
+	Size		size;
+	pg_uuid_t  *event_id;
+	int64		seq;
+	TimestampTz now;
+	OutboxWriter w;
+	Datum		values[Natts_outbox];
+	bool		nulls[Natts_outbox];
+
+	if (PG_ARGISNULL(0))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("topic must not be null")));
+	if (PG_ARGISNULL(1))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("payload must not be null"),
+				 errhint("Pass 'null'::jsonb or '{}' for an event without a payload.")));
+	topic = PG_GETARG_TEXT_PP(0);
+	outbox_check_name(topic, "topic");
+	payload = PG_GETARG_JSONB_P(1);
+	if (!PG_ARGISNULL(2))
+	{
+		key = PG_GETARG_TEXT_PP(2);
+		outbox_check_name(key, "event key");
+	}
+	if (!PG_ARGISNULL(3))
+	{
+		headers = PG_GETARG_JSONB_P(3);
+		outbox_check_headers(headers, "event headers");
+	}
+	size = VARSIZE(payload) + (headers != NULL ? VARSIZE(headers) : 0);
+	if (size > (Size) outbox_max_event_bytes)
+		ereport(ERROR,
+				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
+				 errmsg("event is too large to publish"),
+				 errdetail("Payload and headers take %zu bytes; idempotency.max_event_bytes is %d.",
+						   size, outbox_max_event_bytes)));
+
+	PreventCommandIfReadOnly("idem_publish()");
+	outbox_resolve();
+
+	/* The key's lock first, then the seq: same-key events commit in seq order. */
+	if (key != NULL)
+		outbox_key_lock(key);
+	seq = nextval_internal(cached_seq, false);
+	now = GetCurrentTimestamp();
+	event_id = palloc(sizeof(pg_uuid_t));
+	outbox_uuid_v7(event_id, now);
+
+	memset(nulls, false, sizeof(nulls));
+	values[Anum_outbox_event_id - 1] = UUIDPGetDatum(event_id);
+	values[Anum_outbox_seq - 1] = Int64GetDatum(seq);
+	values[Anum_outbox_topic - 1] = PointerGetDatum(topic);
+	values[Anum_outbox_key - 1] = PointerGetDatum(key);
+	nulls[Anum_outbox_key - 1] = (key == NULL);
+	values[Anum_outbox_payload - 1] = JsonbPGetDatum(payload);
+	values[Anum_outbox_headers - 1] = JsonbPGetDatum(headers);
+	nulls[Anum_outbox_headers - 1] = (headers == NULL);
+	values[Anum_outbox_published_at - 1] = TimestampTzGetDatum(now);
+
+	writer_open(&w, cached_outbox);
+	writer_insert(&w, values, nulls);
+	writer_close(&w);
+
+	if (outbox_fan_out(event_id, seq, topic, key, now) > 0)
+		outbox_wake_at_commit();
+
+	/* Later statements of this transaction see the event. */
+	CommandCounterIncrement();
+
+	PG_RETURN_UUID_P(event_id);
+}
+
+/*
+ * idem_outbox_event(event_id) returns jsonb: the envelope of an event, as
+ * function destinations receive it; NULL if there is no such event (or it
+ * was removed after its retention).  How a NOTIFY consumer reads back an
+ * event that was too large to send.
+ */
+Datum
+idem_outbox_event(PG_FUNCTION_ARGS)
+{
+	static SPIPlanPtr plan = NULL;
+	OutboxOwnerState owner;
+	Datum		arg;
+	Datum		result = (Datum) 0;
+	bool		isnull = true;
+
+	if (PG_ARGISNULL(0))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("event_id must not be null")));
+	arg = PG_GETARG_DATUM(0);
+
+	outbox_become_owner(&owner);
+	SPI_connect();
+	if (plan == NULL)
+	{
+		Oid			argtypes[1] = {UUIDOID};
+
+		plan = SPI_prepare("SELECT jsonb_build_object('id', event_id, 'topic', topic, 'key', key,"
+						   " 'payload', payload, 'headers', headers, 'published_at', published_at)"
+						   "  FROM idempotency.outbox WHERE event_id = $1",
+						   1, argtypes);
+		if (plan == NULL)
+			elog(ERROR, "SPI_prepare failed: %s", SPI_result_code_string(SPI_result));
+		SPI_keepplan(plan);
+	}
+	if (SPI_execute_plan(plan, &arg, NULL, true, 1) != SPI_OK_SELECT)
+		elog(ERROR, "SPI_execute_plan failed");
+	if (SPI_processed == 1)
+	{
+		result = SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1, &isnull);
+		if (!isnull)
+			result = SPI_datumTransfer(result, false, -1);
+	}
+	SPI_finish();
+	outbox_restore_user(&owner);
+
+	if (isnull)
+		PG_RETURN_NULL();
+	PG_RETURN_DATUM(result);
+}

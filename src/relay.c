@@ -1,0 +1,1153 @@
+/*-------------------------------------------------------------------------
+ *
+ * relay.c
+ *	  The outbox relay: claim due deliveries, deliver them, record outcomes.
+ *
+ * One pass (relay_pass) does three steps:
+ *
+ *	1. Claim.  In a transaction, lock up to max_events due pending deliveries
+ *	   of active destinations with FOR UPDATE SKIP LOCKED (so concurrent relays
+ *	   share the work), skipping any whose key has an earlier delivery to the
+ *	   same destination still undelivered (per-key order); then, behind each
+ *	   keyed one, the deliveries of its key that follow it, which go out one
+ *	   after the other in this pass (a chain: if one is not delivered, the
+ *	   rest are given back unattempted).  Each claimed delivery's attempt
+ *	   count goes up by one and its next_attempt_at becomes a visibility
+ *	   deadline: if this relay dies, the delivery is claimed again after it.
+ *	   The deadline covers the whole pass, the same for every delivery of the
+ *	   batch: as many waves of relay_max_in_flight requests as the batch may
+ *	   need, each as long as the largest HTTP timeout, plus
+ *	   idempotency.relay_visibility_margin.  visible_until records that the
+ *	   outcome is outstanding, so a later claim knows the attempt was
+ *	   interrupted and counts the repeat as a possible duplicate.
+ *
+ *	2. HTTP deliveries, outside any transaction when the pass manages its own
+ *	   (relay_http.c: many requests in flight on kept-alive connections).
+ *
+ *	3. Record.  In a second, short transaction: NOTIFY and function
+ *	   deliveries are made here, so that the effect and the mark "delivered"
+ *	   commit together -- exactly once into the database.  The relay first
+ *	   re-locks those deliveries and checks that its claim (the attempt
+ *	   number) still stands; a function runs in a subtransaction, and a
+ *	   failing one is rolled back and rescheduled.  Then one statement records
+ *	   every outcome: delivered; or rescheduled at now + a random delay in
+ *	   [0, min(cap, base * 2^(attempts-1))] (exponential backoff with full
+ *	   jitter); or dead after the destination's max_attempts.  Per-destination
+ *	   counters go up in the same statement.
+ *
+ * relay_run (the background worker) runs the steps in transactions of its
+ * own: the attempt count is committed before any effect, and HTTP requests
+ * are made while no transaction is open.  idem_outbox_relay (SQL) runs in
+ * the caller's transaction: the same code, the same statements, without the
+ * commits.  Everything it does -- claims, NOTIFYs, function effects, outcomes
+ * -- then commits or rolls back with the caller's transaction; HTTP requests
+ * are made synchronously between claim and record, and if the transaction
+ * does not commit they will be made again (at least once).
+ *
+ * All statements are prepared once per backend and saved.  They run as the
+ * owner of the extension's tables with search_path pg_catalog, pg_temp;
+ * destination functions run as the role that created the destination, with
+ * its search_path, in a security-restricted operation.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include <math.h>
+
+#include "access/xact.h"
+#include "catalog/pg_proc.h"
+#include "catalog/pg_type.h"
+#include "commands/async.h"
+#include "common/pg_prng.h"
+#include "executor/spi.h"
+#include "miscadmin.h"
+#include "pgstat.h"
+#include "storage/lmgr.h"
+#include "utils/acl.h"
+#include "utils/array.h"
+#include "utils/builtins.h"
+#include "utils/guc.h"
+#include "utils/json.h"
+#include "utils/lsyscache.h"
+#include "utils/memutils.h"
+#include "utils/snapmgr.h"
+#include "utils/syscache.h"
+#include "utils/uuid.h"
+
+#include "outbox.h"
+#include "relay.h"
+#include "relay_http.h"
+
+/* NOTIFY payloads must be shorter than this (async.c's NOTIFY_PAYLOAD_MAX_LENGTH). */
+#define RELAY_NOTIFY_MAX	(BLCKSZ - NAMEDATALEN - 128)
+
+static Datum relay_array(Datum *values, bool *nulls, int n, Oid typid);
+
+/* The saved statements. */
+static SPIPlanPtr claim_plan = NULL;
+static SPIPlanPtr followers_plan = NULL;
+static SPIPlanPtr dests_plan = NULL;
+static SPIPlanPtr lock_plan = NULL;
+static SPIPlanPtr record_plan = NULL;
+static SPIPlanPtr disable_plan = NULL;
+static SPIPlanPtr next_due_plan = NULL;
+static SPIPlanPtr cleanup_deliveries_plan = NULL;
+static SPIPlanPtr cleanup_orphans_plan = NULL;
+static SPIPlanPtr cleanup_events_plan = NULL;
+static SPIPlanPtr fold_stats_plan = NULL;
+
+/* A transaction step of a pass, in its own transaction or in the caller's. */
+typedef struct RelayStep
+{
+	bool		own_xact;
+	OutboxOwnerState owner;
+} RelayStep;
+
+/* Prepare a statement once per backend and keep it. */
+static SPIPlanPtr
+relay_prepare(SPIPlanPtr *plan, const char *sql, int nargs, Oid *argtypes)
+{
+	if (*plan == NULL)
+	{
+		SPIPlanPtr	p = SPI_prepare(sql, nargs, argtypes);
+
+		if (p == NULL)
+			elog(ERROR, "SPI_prepare failed: %s", SPI_result_code_string(SPI_result));
+		if (SPI_keepplan(p) != 0)
+			elog(ERROR, "SPI_keepplan failed");
+		*plan = p;
+	}
+	return *plan;
+}
+
+/*
+ * Begin a step: start a transaction if the pass manages its own (as
+ * worker_spi does), then connect to SPI as the tables' owner.  Returns false,
+ * with nothing begun, when the outbox is not installed in this database, or
+ * -- for a step that may be skipped, in a transaction of its own -- when
+ * someone holds a lock on the deliveries that a relay would wait for (DROP
+ * EXTENSION, TRUNCATE, CREATE INDEX): the worker tries again later instead
+ * of queueing behind it (as pg_net does).
+ */
+static bool
+relay_step_begin(RelayStep *step, const char *activity, bool skippable)
+{
+	if (step->own_xact)
+	{
+		SetCurrentStatementStartTimestamp();
+		StartTransactionCommand();
+		PushActiveSnapshot(GetTransactionSnapshot());
+		pgstat_report_activity(STATE_RUNNING, activity);
+	}
+	if (!outbox_installed() ||
+		(step->own_xact && skippable &&
+		 !ConditionalLockRelationOid(outbox_relid("deliveries"), RowExclusiveLock)))
+	{
+		if (step->own_xact)
+		{
+			PopActiveSnapshot();
+			CommitTransactionCommand();
+			pgstat_report_activity(STATE_IDLE, NULL);
+		}
+		return false;
+	}
+	outbox_become_owner(&step->owner);
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+	return true;
+}
+
+/* End a step: disconnect from SPI and, if the pass manages its own, commit. */
+static void
+relay_step_end(RelayStep *step)
+{
+	SPI_finish();
+	outbox_restore_user(&step->owner);
+	if (step->own_xact)
+	{
+		PopActiveSnapshot();
+		CommitTransactionCommand();
+		pgstat_report_stat(false);
+		pgstat_report_activity(STATE_IDLE, NULL);
+	}
+}
+
+/* A text column of the current SPI row, copied, or NULL. */
+static char *
+spi_text(HeapTuple tuple, int col)
+{
+	return SPI_getvalue(tuple, SPI_tuptable->tupdesc, col);
+}
+
+/* A by-value column of the current SPI row, or def if NULL. */
+static Datum
+spi_value(HeapTuple tuple, int col, Datum def)
+{
+	bool		isnull;
+	Datum		d = SPI_getbinval(tuple, SPI_tuptable->tupdesc, col, &isnull);
+
+	return isnull ? def : d;
+}
+
+/*
+ * Load the destinations into cxt.  Secrets are decoded once per pass and
+ * live only in the pass's memory.
+ */
+static List *
+relay_load_dests(MemoryContext cxt)
+{
+	List	   *dests = NIL;
+	SPIPlanPtr	plan;
+
+	plan = relay_prepare(&dests_plan,
+						 "SELECT id, name, kind, target, func, run_as, search_path, secrets,"
+						 "       headers, max_attempts, backoff_base_ms, backoff_cap_ms, timeout_ms"
+						 "  FROM idempotency.destinations",
+						 0, NULL);
+	if (SPI_execute_plan(plan, NULL, NULL, false, 0) != SPI_OK_SELECT)
+		elog(ERROR, "could not read the outbox destinations");
+
+	for (uint64 i = 0; i < SPI_processed; i++)
+	{
+		HeapTuple	tup = SPI_tuptable->vals[i];
+		MemoryContext old = MemoryContextSwitchTo(cxt);
+		RelayDest  *d = palloc0(sizeof(RelayDest));
+		bool		isnull;
+		Datum		secrets;
+		Datum		headers;
+
+		d->id = DatumGetInt32(spi_value(tup, 1, 0));
+		d->name = spi_text(tup, 2);
+		d->kind = dest_kind_from_name(spi_text(tup, 3));
+		d->target = spi_text(tup, 4);
+		d->func = DatumGetObjectId(spi_value(tup, 5, ObjectIdGetDatum(InvalidOid)));
+		d->run_as = DatumGetObjectId(spi_value(tup, 6, ObjectIdGetDatum(InvalidOid)));
+		d->search_path = spi_text(tup, 7);
+		secrets = SPI_getbinval(tup, SPI_tuptable->tupdesc, 8, &isnull);
+		if (!isnull)
+		{
+			Datum	   *elems;
+			bool	   *nulls;
+			int			n;
+
+			deconstruct_array(DatumGetArrayTypeP(secrets), TEXTOID, -1, false,
+							  TYPALIGN_INT, &elems, &nulls, &n);
+			for (int j = 0; j < n; j++)
+				if (!nulls[j])
+					d->secrets = lappend(d->secrets,
+										 http_decode_secret(TextDatumGetCString(elems[j])));
+		}
+		headers = SPI_getbinval(tup, SPI_tuptable->tupdesc, 9, &isnull);
+		d->headers = isnull ? NULL : DatumGetJsonbPCopy(headers);
+		d->max_attempts = DatumGetInt32(spi_value(tup, 10, Int32GetDatum(DEST_DEFAULT_MAX_ATTEMPTS)));
+		d->backoff_base_ms = DatumGetInt64(spi_value(tup, 11, Int64GetDatum(DEST_DEFAULT_BACKOFF_BASE)));
+		d->backoff_cap_ms = DatumGetInt64(spi_value(tup, 12, Int64GetDatum(DEST_DEFAULT_BACKOFF_CAP)));
+		d->timeout_ms = DatumGetInt64(spi_value(tup, 13, Int64GetDatum(DEST_DEFAULT_TIMEOUT)));
+		dests = lappend(dests, d);
+		MemoryContextSwitchTo(old);
+	}
+	return dests;
+}
+
+/* The loaded destination with this id, or NULL. */
+static RelayDest *
+relay_find_dest(List *dests, int32 id)
+{
+	ListCell   *lc;
+
+	foreach(lc, dests)
+	{
+		RelayDest  *d = lfirst(lc);
+
+		if (d->id == id)
+			return d;
+	}
+	return NULL;
+}
+
+/* Order claimed deliveries by seq, so a batch goes out in publish order. */
+static int
+relay_item_cmp(const void *a, const void *b)
+{
+	const RelayItem *x = *(RelayItem *const *) a;
+	const RelayItem *y = *(RelayItem *const *) b;
+
+	return (x->seq > y->seq) - (x->seq < y->seq);
+}
+
+/*
+ * What the claim statements set and return: the claim itself (attempt,
+ * visibility deadline) and what delivering needs.  $1 is now, $3 the
+ * visibility margin, $4 the number of waves of HTTP requests; the statement
+ * defines "picked" (the deliveries to claim, with interrupted: whether the
+ * previous attempt's outcome was never recorded).
+ */
+#define CLAIM_UPDATE \
+	" , deadline AS MATERIALIZED (" \
+	" SELECT $1 + ($3 + $4 * coalesce(max(timeout_ms), 0)) * interval '1 ms' AS at" \
+	"   FROM idempotency.destinations" \
+	"  WHERE kind = 'http' AND NOT paused AND disabled_at IS NULL)" \
+	" UPDATE idempotency.deliveries d" \
+	"    SET attempts = d.attempts + 1," \
+	"        next_attempt_at = deadline.at," \
+	"        visible_until = deadline.at," \
+	"        first_attempt_at = coalesce(d.first_attempt_at, $1)," \
+	"        last_attempt_at = $1" \
+	"   FROM picked, deadline, idempotency.destinations t, idempotency.outbox o" \
+	"  WHERE d.event_id = picked.event_id AND d.destination_id = picked.destination_id" \
+	"    AND t.id = d.destination_id AND o.event_id = d.event_id" \
+	" RETURNING d.event_id, d.destination_id, d.attempts, d.seq, picked.interrupted," \
+	"    o.topic, o.published_at," \
+	"    CASE t.kind WHEN 'http' THEN o.payload::text" \
+	"      WHEN 'notify' THEN jsonb_build_object('id', o.event_id, 'topic', o.topic," \
+	"        'key', o.key, 'payload', o.payload, 'headers', o.headers," \
+	"        'published_at', o.published_at)::text END," \
+	"    CASE t.kind WHEN 'function' THEN jsonb_build_object('id', o.event_id," \
+	"        'topic', o.topic, 'key', o.key, 'payload', o.payload," \
+	"        'headers', o.headers, 'published_at', o.published_at) END," \
+	"    CASE t.kind WHEN 'http' THEN o.headers END," \
+	"    d.key"
+
+/* Append the rows a claim statement returned to items, copied into cxt. */
+static int
+relay_read_claimed(MemoryContext cxt, RelayItem **items, int n)
+{
+	for (uint64 i = 0; i < SPI_processed; i++)
+	{
+		HeapTuple	tup = SPI_tuptable->vals[i];
+		MemoryContext old = MemoryContextSwitchTo(cxt);
+		RelayItem  *it = palloc0(sizeof(RelayItem));
+		bool		isnull;
+		Datum		d;
+
+		memcpy(&it->event_id, DatumGetUUIDP(spi_value(tup, 1, 0)), sizeof(pg_uuid_t));
+		it->dest_id = DatumGetInt32(spi_value(tup, 2, 0));
+		it->attempts = DatumGetInt32(spi_value(tup, 3, 0));
+		it->seq = DatumGetInt64(spi_value(tup, 4, 0));
+		it->interrupted = DatumGetBool(spi_value(tup, 5, BoolGetDatum(false)));
+		it->topic = spi_text(tup, 6);
+		it->published_at = DatumGetTimestampTz(spi_value(tup, 7, 0));
+		it->body = spi_text(tup, 8);
+		d = SPI_getbinval(tup, SPI_tuptable->tupdesc, 9, &isnull);
+		it->envelope = isnull ? NULL : DatumGetJsonbPCopy(d);
+		d = SPI_getbinval(tup, SPI_tuptable->tupdesc, 10, &isnull);
+		it->event_headers = isnull ? NULL : DatumGetJsonbPCopy(d);
+		it->key = spi_text(tup, 11);
+		it->outcome = RELAY_PENDING;
+		MemoryContextSwitchTo(old);
+		items[n++] = it;
+	}
+	return n;
+}
+
+/*
+ * Claim the due deliveries that may go now: no earlier delivery of their key
+ * to their destination is undelivered (the heads of their keys), oldest
+ * first, up to max_events.  Appends them to items.
+ */
+static int
+relay_claim_heads(int max_events, TimestampTz now, MemoryContext cxt,
+				  RelayItem **items)
+{
+	Oid			argtypes[4] = {TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID};
+	Datum		values[4];
+	SPIPlanPtr	plan;
+	int			save_nestlevel;
+	int			rc;
+
+	/*
+	 * The due deliveries must come from deliveries_due in next_attempt_at
+	 * order, so that the scan stops after max_events of them however long
+	 * the backlog.  Statistics taken while the outbox was idle make a burst
+	 * look tiny, and the planner would then read the whole backlog and sort
+	 * it, on every pass.  Sorting is therefore off for this statement.
+	 */
+	save_nestlevel = NewGUCNestLevel();
+	(void) set_config_option("enable_sort", "off", PGC_USERSET, PGC_S_SESSION,
+							 GUC_ACTION_SAVE, true, 0, false);
+	(void) set_config_option("enable_bitmapscan", "off", PGC_USERSET, PGC_S_SESSION,
+							 GUC_ACTION_SAVE, true, 0, false);
+	plan = relay_prepare(&claim_plan,
+						 "WITH picked AS ("
+						 " SELECT d.event_id, d.destination_id, d.visible_until IS NOT NULL AS interrupted"
+						 "   FROM idempotency.deliveries d"
+						 "  WHERE d.state = 'pending' AND d.next_attempt_at <= $1"
+						 "    AND d.destination_id IN (SELECT t.id FROM idempotency.destinations t"
+						 "                              WHERE NOT t.paused AND t.disabled_at IS NULL)"
+						 "    AND (d.key IS NULL OR NOT EXISTS ("
+						 "          SELECT FROM idempotency.deliveries e"
+						 "           WHERE e.destination_id = d.destination_id AND e.key = d.key"
+						 "             AND e.seq < d.seq AND e.state <> 'delivered'))"
+						 "  ORDER BY d.next_attempt_at"
+						 "  LIMIT $2"
+						 "    FOR UPDATE OF d SKIP LOCKED)"
+						 CLAIM_UPDATE,
+						 4, argtypes);
+
+	values[0] = TimestampTzGetDatum(now);
+	values[1] = Int32GetDatum(max_events);
+	values[2] = Int32GetDatum(relay_visibility_margin);
+	/* HTTP requests go out in waves of relay_max_in_flight. */
+	values[3] = Int32GetDatum((max_events + relay_max_in_flight - 1) / relay_max_in_flight);
+	rc = SPI_execute_plan(plan, values, NULL, false, 0);
+	AtEOXact_GUC(true, save_nestlevel);
+	if (rc != SPI_OK_UPDATE_RETURNING)
+		elog(ERROR, "could not claim outbox deliveries");
+	return relay_read_claimed(cxt, items, 0);
+}
+
+/*
+ * Claim, behind each keyed head just claimed, the following deliveries of
+ * its key to its destination, in seq order, as long as they are pending and
+ * due: this relay then delivers them one after the other, so that a busy key
+ * is not held to one event per pass.  No other relay can take them: their
+ * head is claimed, so for everyone else an earlier delivery of their key is
+ * undelivered.  At most room in all, shared out evenly between the keys.
+ * Appends them to items after the first n.
+ */
+static int
+relay_claim_followers(int room, TimestampTz now, MemoryContext cxt,
+					  RelayItem **items, int n)
+{
+	Oid			argtypes[8] = {TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID,
+		INT4ARRAYOID, TEXTARRAYOID, INT8ARRAYOID, INT4OID};
+	Datum		values[8];
+	Datum	   *dests = palloc(sizeof(Datum) * n);
+	Datum	   *keys = palloc(sizeof(Datum) * n);
+	Datum	   *seqs = palloc(sizeof(Datum) * n);
+	int			nheads = 0;
+	SPIPlanPtr	plan;
+
+	for (int i = 0; i < n; i++)
+		if (items[i]->key != NULL)
+		{
+			dests[nheads] = Int32GetDatum(items[i]->dest_id);
+			keys[nheads] = CStringGetTextDatum(items[i]->key);
+			seqs[nheads] = Int64GetDatum(items[i]->seq);
+			nheads++;
+		}
+	if (nheads == 0 || room <= 0)
+		return n;
+
+	plan = relay_prepare(&followers_plan,
+						 "WITH heads AS ("
+						 " SELECT * FROM unnest($5::int4[], $6::text[], $7::int8[])"
+						 "   AS h(destination_id, key, seq)),"
+						 " chained AS ("
+						 " SELECT f.event_id, f.destination_id, f.interrupted, f.pos,"
+						 "        bool_and(f.due) OVER (PARTITION BY f.destination_id, f.key"
+						 "                              ORDER BY f.seq) AS unbroken"
+						 "   FROM heads h, LATERAL ("
+						 "        SELECT e.event_id, e.destination_id, e.key, e.seq,"
+						 "               e.visible_until IS NOT NULL AS interrupted,"
+						 "               e.state = 'pending' AND e.next_attempt_at <= $1 AS due,"
+						 "               row_number() OVER (ORDER BY e.seq) AS pos"
+						 "          FROM (SELECT * FROM idempotency.deliveries e"
+						 "                 WHERE e.destination_id = h.destination_id"
+						 "                   AND e.key = h.key COLLATE \"C\""
+						 "                   AND e.seq > h.seq AND e.state <> 'delivered'"
+						 "                 ORDER BY e.seq LIMIT $8) e) f),"
+						 " picked AS ("
+						 " SELECT event_id, destination_id, interrupted FROM chained"
+						 "  WHERE unbroken ORDER BY pos LIMIT $2)"
+						 CLAIM_UPDATE,
+						 8, argtypes);
+
+	values[0] = TimestampTzGetDatum(now);
+	values[1] = Int32GetDatum(room);
+	values[2] = Int32GetDatum(relay_visibility_margin);
+	values[3] = Int32GetDatum((n + room + relay_max_in_flight - 1) / relay_max_in_flight);
+	values[4] = relay_array(dests, NULL, nheads, INT4OID);
+	values[5] = relay_array(keys, NULL, nheads, TEXTOID);
+	values[6] = relay_array(seqs, NULL, nheads, INT8OID);
+	values[7] = Int32GetDatum((room + nheads - 1) / nheads);
+	if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_UPDATE_RETURNING)
+		elog(ERROR, "could not claim outbox deliveries");
+	return relay_read_claimed(cxt, items, n);
+}
+
+/*
+ * Chain the deliveries of each key to each destination, in seq order: a
+ * delivery waits for its predecessor in the batch (chain_held) and is
+ * released, not attempted, if the predecessor is not delivered.
+ */
+static void
+relay_link_chains(RelayItem **items, int n)
+{
+	HASHCTL		ctl;
+	HTAB	   *last;
+
+	ctl.keysize = NAMEDATALEN + OUTBOX_MAX_NAME_LEN + 16;
+	ctl.entrysize = ctl.keysize + sizeof(RelayItem *);
+	ctl.hcxt = CurrentMemoryContext;
+	last = hash_create("outbox relay chains", Max(n, 16), &ctl,
+					   HASH_ELEM | HASH_STRINGS | HASH_CONTEXT);
+	for (int i = 0; i < n; i++)
+	{
+		RelayItem  *it = items[i];
+		char		key[NAMEDATALEN + OUTBOX_MAX_NAME_LEN + 16];
+		char	   *entry;
+		bool		found;
+
+		if (it->key == NULL)
+			continue;
+		memset(key, 0, sizeof(key));
+		snprintf(key, sizeof(key), "%d/%s", it->dest_id, it->key);
+		entry = hash_search(last, key, HASH_ENTER, &found);
+		if (found)
+		{
+			RelayItem  *prev;
+
+			memcpy(&prev, entry + ctl.keysize, sizeof(RelayItem *));
+			prev->chain_next = it;
+			it->chain_held = true;
+		}
+		memcpy(entry + ctl.keysize, &it, sizeof(RelayItem *));
+	}
+	hash_destroy(last);
+}
+
+/* A delivery was not delivered: the rest of its chain is released. */
+void
+relay_release_chain(RelayItem *it)
+{
+	for (RelayItem *next = it->chain_next; next != NULL; next = next->chain_next)
+		if (next->outcome == RELAY_PENDING)
+			next->outcome = RELAY_RELEASED;
+}
+
+/*
+ * Step 1: claim up to max_events deliveries: the heads of their keys, then
+ * the deliveries that follow them.  Returns the claimed items (allocated in
+ * cxt), in seq order and chained, in *items.
+ */
+static int
+relay_claim(int max_events, TimestampTz now, MemoryContext cxt, RelayItem ***items)
+{
+	int			n;
+
+	*items = MemoryContextAlloc(cxt, sizeof(RelayItem *) * max_events);
+	n = relay_claim_heads(max_events, now, cxt, *items);
+	n = relay_claim_followers(max_events - n, now, cxt, *items, n);
+	qsort(*items, n, sizeof(RelayItem *), relay_item_cmp);
+	relay_link_chains(*items, n);
+	return n;
+}
+
+/* An array datum of n values of type typid. */
+static Datum
+relay_array(Datum *values, bool *nulls, int n, Oid typid)
+{
+	int16		typlen;
+	bool		typbyval;
+	char		typalign;
+	int			dims[1] = {n};
+	int			lbs[1] = {1};
+
+	get_typlenbyvalalign(typid, &typlen, &typbyval, &typalign);
+	return PointerGetDatum(construct_md_array(values, nulls, 1, dims, lbs, typid,
+											  typlen, typbyval, typalign));
+}
+
+/*
+ * Step 3a: lock the in-database deliveries again and drop those whose claim
+ * no longer stands (a relay that took over after our visibility deadline, or
+ * a delivery that is no longer pending).  In the caller's transaction the
+ * rows are still ours and this finds them all.
+ */
+static void
+relay_relock(RelayItem **items, int n, bool *any)
+{
+	Oid			argtypes[3] = {UUIDARRAYOID, INT4ARRAYOID, INT4ARRAYOID};
+	Datum	   *ids = palloc(sizeof(Datum) * n);
+	Datum	   *dests = palloc(sizeof(Datum) * n);
+	Datum	   *attempts = palloc(sizeof(Datum) * n);
+	RelayItem **mine = palloc(sizeof(RelayItem *) * n);
+	int			m = 0;
+	Datum		values[3];
+	SPIPlanPtr	plan;
+
+	*any = false;
+	for (int i = 0; i < n; i++)
+	{
+		if (items[i]->outcome != RELAY_PENDING || items[i]->dest->kind == DEST_HTTP)
+			continue;
+		ids[m] = UUIDPGetDatum(&items[i]->event_id);
+		dests[m] = Int32GetDatum(items[i]->dest->id);
+		attempts[m] = Int32GetDatum(items[i]->attempts);
+		mine[m++] = items[i];
+	}
+	if (m == 0)
+		return;
+	*any = true;
+
+	plan = relay_prepare(&lock_plan,
+						 "SELECT r.n FROM idempotency.deliveries d"
+						 "  JOIN unnest($1::uuid[], $2::int4[], $3::int4[]) WITH ORDINALITY"
+						 "       AS r(event_id, destination_id, attempts, n)"
+						 "    ON d.event_id = r.event_id AND d.destination_id = r.destination_id"
+						 " WHERE d.state = 'pending' AND d.attempts = r.attempts"
+						 "   FOR UPDATE OF d",
+						 3, argtypes);
+	values[0] = relay_array(ids, NULL, m, UUIDOID);
+	values[1] = relay_array(dests, NULL, m, INT4OID);
+	values[2] = relay_array(attempts, NULL, m, INT4OID);
+	if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_SELECT)
+		elog(ERROR, "could not lock claimed outbox deliveries");
+
+	/*
+	 * Everything not found is someone else's now, and what follows it in
+	 * its key's chain must not go before it.
+	 */
+	for (int i = 0; i < m; i++)
+		mine[i]->outcome = RELAY_SKIPPED;
+	for (uint64 i = 0; i < SPI_processed; i++)
+	{
+		int64		k = DatumGetInt64(spi_value(SPI_tuptable->vals[i], 1, 0));
+
+		mine[k - 1]->outcome = RELAY_PENDING;
+	}
+	for (int i = 0; i < m; i++)
+		if (mine[i]->outcome == RELAY_SKIPPED)
+			relay_release_chain(mine[i]);
+}
+
+/* The message of a failed delivery, in the pass's memory. */
+static void
+relay_fail(RelayItem *it, MemoryContext cxt, int32 status, const char *error)
+{
+	it->outcome = RELAY_FAILED;
+	it->status = status;
+	it->error = MemoryContextStrdup(cxt, error);
+	it->finished_at = GetCurrentTimestamp();
+}
+
+/* NOTIFY the destination's channel: the envelope, or a reference if it is too large. */
+static void
+relay_notify(RelayItem *it)
+{
+	const char *payload = it->body;
+
+	if (strlen(payload) >= RELAY_NOTIFY_MAX)
+	{
+		StringInfoData buf;
+
+		initStringInfo(&buf);
+		appendStringInfo(&buf, "{\"id\": \"%s\", \"topic\": ",
+						 DatumGetCString(DirectFunctionCall1(uuid_out,
+															 UUIDPGetDatum(&it->event_id))));
+		escape_json(&buf, it->topic);
+		appendStringInfoString(&buf, ", \"reference\": true}");
+		payload = buf.data;
+	}
+	Async_Notify(it->dest->target, payload);
+	it->outcome = RELAY_DELIVERED;
+	it->finished_at = GetCurrentTimestamp();
+}
+
+/*
+ * Call a destination function with the event's envelope, in a
+ * subtransaction, as the role that created the destination and with its
+ * search_path, in a security-restricted operation.  An error rolls the
+ * subtransaction back and makes the delivery fail; a cancel still cancels.
+ */
+static void
+relay_call_function(RelayItem *it, MemoryContext cxt)
+{
+	RelayDest  *d = it->dest;
+	MemoryContext oldcxt = CurrentMemoryContext;
+	ResourceOwner oldowner = CurrentResourceOwner;
+
+	BeginInternalSubTransaction(NULL);
+	MemoryContextSwitchTo(oldcxt);
+
+	PG_TRY();
+	{
+		LOCAL_FCINFO(callinfo, 1);
+		Oid			save_userid;
+		int			save_sec_context;
+		int			save_nestlevel;
+
+		if (!SearchSysCacheExists1(AUTHOID, ObjectIdGetDatum(d->run_as)))
+			ereport(ERROR,
+					(errcode(ERRCODE_UNDEFINED_OBJECT),
+					 errmsg("the role that created destination \"%s\" no longer exists", d->name)));
+		if (pg_proc_aclcheck(d->func, d->run_as, ACL_EXECUTE) != ACLCHECK_OK)
+			ereport(ERROR,
+					(errcode(ERRCODE_INSUFFICIENT_PRIVILEGE),
+					 errmsg("permission denied for function %s", d->target),
+					 errdetail("Destination \"%s\" calls it as role \"%s\".",
+							   d->name, GetUserNameFromId(d->run_as, false))));
+		if (!d->flinfo_ready)
+		{
+			fmgr_info_cxt(d->func, &d->flinfo, cxt);
+			d->flinfo_ready = true;
+		}
+
+		GetUserIdAndSecContext(&save_userid, &save_sec_context);
+		SetUserIdAndSecContext(d->run_as, save_sec_context |
+							   SECURITY_LOCAL_USERID_CHANGE |
+							   SECURITY_RESTRICTED_OPERATION);
+		save_nestlevel = NewGUCNestLevel();
+		(void) set_config_option("search_path", d->search_path,
+								 PGC_USERSET, PGC_S_SESSION,
+								 GUC_ACTION_SAVE, true, 0, false);
+
+		InitFunctionCallInfoData(*callinfo, &d->flinfo, 1, InvalidOid, NULL, NULL);
+		callinfo->args[0].value = JsonbPGetDatum(it->envelope);
+		callinfo->args[0].isnull = false;
+		(void) FunctionCallInvoke(callinfo);
+
+		AtEOXact_GUC(true, save_nestlevel);
+		SetUserIdAndSecContext(save_userid, save_sec_context);
+
+		ReleaseCurrentSubTransaction();
+		MemoryContextSwitchTo(oldcxt);
+		CurrentResourceOwner = oldowner;
+		it->outcome = RELAY_DELIVERED;
+		it->finished_at = GetCurrentTimestamp();
+	}
+	PG_CATCH();
+	{
+		ErrorData  *edata;
+
+		MemoryContextSwitchTo(oldcxt);
+		edata = CopyErrorData();
+		FlushErrorState();
+		/* Also restores the user, the security context and the settings. */
+		RollbackAndReleaseCurrentSubTransaction();
+		MemoryContextSwitchTo(oldcxt);
+		CurrentResourceOwner = oldowner;
+		if (edata->sqlerrcode == ERRCODE_QUERY_CANCELED)
+			ReThrowError(edata);
+		relay_fail(it, cxt, 0, edata->message);
+		FreeErrorData(edata);
+	}
+	PG_END_TRY();
+}
+
+/*
+ * Step 3b: record every outcome in one statement, and append the pass's
+ * counts to each destination's counters (a row of increments, which no
+ * other relay waits for).  A failure is rescheduled with
+ * exponential backoff and full jitter, or dead after max_attempts; a result
+ * is recorded only while the claim stands (a success always is).
+ */
+static void
+relay_record(RelayItem **items, int n)
+{
+	Oid			argtypes[10] = {UUIDARRAYOID, INT4ARRAYOID, INT4ARRAYOID, TEXTARRAYOID,
+		TIMESTAMPTZARRAYOID, INT4ARRAYOID, TEXTARRAYOID, INT8ARRAYOID, BOOLARRAYOID,
+	BOOLARRAYOID};
+	Datum	   *cols[10];
+	bool	   *status_nulls = palloc(sizeof(bool) * n);
+	bool	   *error_nulls = palloc(sizeof(bool) * n);
+	Datum		values[10];
+	int			m = 0;
+	SPIPlanPtr	plan;
+
+	for (int c = 0; c < 10; c++)
+		cols[c] = palloc(sizeof(Datum) * n);
+
+	for (int i = 0; i < n; i++)
+	{
+		RelayItem  *it = items[i];
+		RelayDest  *d = it->dest;
+		const char *state;
+		TimestampTz next_at = it->finished_at;
+
+		if (it->outcome != RELAY_DELIVERED && it->outcome != RELAY_FAILED &&
+			it->outcome != RELAY_RELEASED)
+			continue;
+		if (it->outcome == RELAY_RELEASED)
+		{
+			/* Not attempted: pending again at once, its attempt given back. */
+			state = "pending";
+			next_at = it->finished_at = GetCurrentTimestamp();
+		}
+		else if (it->outcome == RELAY_DELIVERED)
+			state = "delivered";
+		else if (it->attempts >= d->max_attempts)
+			state = "dead";
+		else
+		{
+			/* Full jitter: uniform in [0, min(cap, base * 2^(attempts-1))]. */
+			double		window = (double) d->backoff_base_ms *
+				pow(2.0, (double) Min(it->attempts - 1, 60));
+
+			if (window > (double) d->backoff_cap_ms)
+				window = (double) d->backoff_cap_ms;
+			state = "pending";
+			next_at += (int64) (pg_prng_double(&pg_global_prng_state) * window * 1000.0);
+		}
+		cols[0][m] = UUIDPGetDatum(&it->event_id);
+		cols[1][m] = Int32GetDatum(d->id);
+		cols[2][m] = Int32GetDatum(it->attempts);
+		cols[3][m] = CStringGetTextDatum(state);
+		cols[4][m] = TimestampTzGetDatum(next_at);
+		cols[5][m] = Int32GetDatum(it->status);
+		status_nulls[m] = (it->status == 0);
+		cols[6][m] = it->error ? CStringGetTextDatum(it->error) : (Datum) 0;
+		error_nulls[m] = (it->error == NULL);
+		cols[7][m] = Int64GetDatum(it->finished_at - it->published_at);
+		cols[8][m] = BoolGetDatum(it->interrupted);
+		cols[9][m] = BoolGetDatum(it->outcome == RELAY_RELEASED);
+		m++;
+	}
+	if (m == 0)
+		return;
+
+	plan = relay_prepare(&record_plan,
+						 "WITH r AS ("
+						 " SELECT * FROM unnest($1::uuid[], $2::int4[], $3::int4[], $4::text[],"
+						 "                      $5::timestamptz[], $6::int4[], $7::text[], $8::int8[],"
+						 "                      $9::bool[], $10::bool[]) WITH ORDINALITY"
+						 "   AS r(event_id, destination_id, attempts, state, at, status, error,"
+						 "        latency_us, interrupted, released, n)),"
+						 " u AS ("
+						 " UPDATE idempotency.deliveries d"
+						 "    SET state = r.state,"
+						 "        next_attempt_at = r.at,"
+						 "        visible_until = CASE WHEN r.released AND r.interrupted"
+						 "                             THEN d.visible_until END,"
+						 "        delivered_at = CASE WHEN r.state = 'delivered' THEN r.at END,"
+						 "        attempts = d.attempts - r.released::int,"
+						 "        first_attempt_at = CASE WHEN r.released AND d.attempts = 1"
+						 "                                THEN NULL ELSE d.first_attempt_at END,"
+						 "        last_status = CASE WHEN r.released THEN d.last_status ELSE r.status END,"
+						 "        last_error = CASE WHEN r.released THEN d.last_error ELSE r.error END"
+						 "   FROM r"
+						 "  WHERE d.event_id = r.event_id AND d.destination_id = r.destination_id"
+						 "    AND d.state = 'pending'"
+						 "    AND (r.state = 'delivered' OR d.attempts = r.attempts)"
+						 " RETURNING r.*)"
+						 " INSERT INTO idempotency.destination_stats"
+						 "  (destination_id, delivered, retried, dead_lettered, redelivered,"
+						 "   latency_sum_us, last_latency_us, last_delivered_at)"
+						 " SELECT destination_id,"
+						 "        count(*) FILTER (WHERE state = 'delivered'),"
+						 "        count(*) FILTER (WHERE state = 'pending' AND NOT released),"
+						 "        count(*) FILTER (WHERE state = 'dead'),"
+						 "        count(*) FILTER (WHERE interrupted AND NOT released),"
+						 "        coalesce(sum(latency_us) FILTER (WHERE state = 'delivered'), 0),"
+						 "        (array_agg(latency_us ORDER BY n DESC) FILTER (WHERE state = 'delivered'))[1],"
+						 "        max(at) FILTER (WHERE state = 'delivered')"
+						 "   FROM u GROUP BY destination_id",
+						 10, argtypes);
+
+	values[0] = relay_array(cols[0], NULL, m, UUIDOID);
+	values[1] = relay_array(cols[1], NULL, m, INT4OID);
+	values[2] = relay_array(cols[2], NULL, m, INT4OID);
+	values[3] = relay_array(cols[3], NULL, m, TEXTOID);
+	values[4] = relay_array(cols[4], NULL, m, TIMESTAMPTZOID);
+	values[5] = relay_array(cols[5], status_nulls, m, INT4OID);
+	values[6] = relay_array(cols[6], error_nulls, m, TEXTOID);
+	values[7] = relay_array(cols[7], NULL, m, INT8OID);
+	values[8] = relay_array(cols[8], NULL, m, BOOLOID);
+	values[9] = relay_array(cols[9], NULL, m, BOOLOID);
+	if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_INSERT)
+		elog(ERROR, "could not record outbox delivery outcomes");
+}
+
+/* Disable the destinations whose endpoint answered 410 Gone in this pass. */
+static void
+relay_disable(List *dests)
+{
+	ListCell   *lc;
+
+	foreach(lc, dests)
+	{
+		RelayDest  *d = lfirst(lc);
+		Oid			argtypes[2] = {INT4OID, TEXTOID};
+		Datum		values[2];
+		SPIPlanPtr	plan;
+
+		if (d->disable_reason == NULL)
+			continue;
+		plan = relay_prepare(&disable_plan,
+							 "UPDATE idempotency.destinations"
+							 "   SET disabled_at = clock_timestamp(), disabled_reason = $2"
+							 " WHERE id = $1 AND disabled_at IS NULL",
+							 2, argtypes);
+		values[0] = Int32GetDatum(d->id);
+		values[1] = CStringGetTextDatum(d->disable_reason);
+		if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_UPDATE)
+			elog(ERROR, "could not disable outbox destination");
+		ereport(LOG,
+				(errmsg("outbox destination \"%s\" disabled: %s", d->name, d->disable_reason),
+				 errhint("Resume it with idem_destination_resume() once the endpoint is back.")));
+	}
+}
+
+/*
+ * One pass: claim, deliver, record.  Works in its own transactions when
+ * called outside one, else within the caller's.
+ */
+static int64
+relay_pass(int max_events)
+{
+	RelayStep	step;
+	MemoryContext passcxt;
+	volatile int64 attempted = 0;
+
+	if (max_events < 1)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("max_events must be at least 1")));
+	if (RecoveryInProgress())
+		return 0;
+
+	step.own_xact = !IsTransactionState();
+	passcxt = AllocSetContextCreate(step.own_xact ? TopMemoryContext : CurrentMemoryContext,
+									"outbox relay pass", ALLOCSET_DEFAULT_SIZES);
+	PG_TRY();
+	{
+		List	   *dests;
+		RelayItem **items;
+		int			n;
+		bool		any_http = false;
+		bool		any_local;
+
+		/* Step 1: claim. */
+		if (!relay_step_begin(&step, "idempotency relay: claim", true))
+			goto done;
+		n = relay_claim(max_events, GetCurrentTimestamp(), passcxt, &items);
+		dests = relay_load_dests(passcxt);
+		relay_step_end(&step);
+		if (n == 0)
+			goto done;
+		for (int i = 0; i < n; i++)
+		{
+			items[i]->dest = relay_find_dest(dests, items[i]->dest_id);
+			/* Dropped since: its deliveries are gone with it. */
+			if (items[i]->dest == NULL)
+				items[i]->outcome = RELAY_SKIPPED;
+			else if (items[i]->dest->kind == DEST_HTTP)
+				any_http = true;
+		}
+
+		/* Step 2: HTTP, outside any transaction of ours. */
+		if (any_http)
+		{
+			MemoryContext old = MemoryContextSwitchTo(passcxt);
+
+			http_deliver(items, n);
+			MemoryContextSwitchTo(old);
+		}
+
+		/* Step 3: in-database deliveries, then every outcome, in one transaction. */
+		if (!relay_step_begin(&step, "idempotency relay: record", false))
+			goto done;
+		relay_relock(items, n, &any_local);
+		for (int i = 0; any_local && i < n; i++)
+		{
+			RelayItem  *it = items[i];
+
+			CHECK_FOR_INTERRUPTS();
+			if (it->outcome != RELAY_PENDING)
+				continue;
+			if (it->dest->kind == DEST_NOTIFY)
+				relay_notify(it);
+			else if (it->dest->kind == DEST_FUNCTION)
+				relay_call_function(it, passcxt);
+			/* A key's later deliveries never go before an earlier one. */
+			if (it->outcome != RELAY_DELIVERED)
+				relay_release_chain(it);
+		}
+		relay_record(items, n);
+		relay_disable(dests);
+		relay_step_end(&step);
+
+		for (int i = 0; i < n; i++)
+			if (items[i]->outcome == RELAY_DELIVERED || items[i]->outcome == RELAY_FAILED)
+				attempted++;
+done:
+		;
+	}
+	PG_FINALLY();
+	{
+		MemoryContextDelete(passcxt);
+	}
+	PG_END_TRY();
+
+	return attempted;
+}
+
+/* See relay.h. */
+int64
+relay_run(int max_events)
+{
+	return relay_pass(max_events);
+}
+
+/* See relay.h. */
+TimestampTz
+relay_next_due(void)
+{
+	RelayStep	step;
+	TimestampTz due = 0;
+	SPIPlanPtr	plan;
+
+	if (RecoveryInProgress())
+		return 0;
+	step.own_xact = !IsTransactionState();
+	if (!relay_step_begin(&step, "idempotency relay: next due", true))
+		return 0;
+	plan = relay_prepare(&next_due_plan,
+						 "SELECT min(d.next_attempt_at)"
+						 "  FROM idempotency.deliveries d"
+						 "  JOIN idempotency.destinations t ON t.id = d.destination_id"
+						 " WHERE d.state = 'pending' AND NOT t.paused AND t.disabled_at IS NULL",
+						 0, NULL);
+	if (SPI_execute_plan(plan, NULL, NULL, true, 1) != SPI_OK_SELECT)
+		elog(ERROR, "could not read the outbox schedule");
+	if (SPI_processed == 1)
+		due = DatumGetTimestampTz(spi_value(SPI_tuptable->vals[0], 1, TimestampTzGetDatum(0)));
+	relay_step_end(&step);
+	return due;
+}
+
+/* Run one cleanup statement with (cutoff, batch); returns the rows removed. */
+static uint64
+cleanup_batch(SPIPlanPtr *plan, const char *sql, TimestampTz cutoff, int batch)
+{
+	Oid			argtypes[2] = {TIMESTAMPTZOID, INT4OID};
+	Datum		values[2];
+	int			rc;
+
+	relay_prepare(plan, sql, 2, argtypes);
+	values[0] = TimestampTzGetDatum(cutoff);
+	values[1] = Int32GetDatum(batch);
+	rc = SPI_execute_plan(*plan, values, NULL, false, 0);
+	if (rc != SPI_OK_DELETE)
+		elog(ERROR, "outbox cleanup failed: %s", SPI_result_code_string(rc));
+	return SPI_processed;
+}
+
+/* See relay.h. */
+int64
+outbox_cleanup(int batch)
+{
+	RelayStep	step;
+	TimestampTz cutoff;
+	int64		events = 0;
+	uint64		n;
+
+	if (batch < 1)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("batch must be at least 1")));
+	if (RecoveryInProgress())
+		return 0;
+	step.own_xact = !IsTransactionState();
+	cutoff = GetCurrentTimestamp() - (int64) outbox_retention * USECS_PER_SEC;
+
+	/* Delivered deliveries past the retention. */
+	do
+	{
+		if (!relay_step_begin(&step, "idempotency relay: cleanup", true))
+			return 0;
+		n = cleanup_batch(&cleanup_deliveries_plan,
+						  "DELETE FROM idempotency.deliveries WHERE ctid = ANY (ARRAY("
+						  " SELECT ctid FROM idempotency.deliveries"
+						  "  WHERE state = 'delivered' AND delivered_at < $1 LIMIT $2))",
+						  cutoff, batch);
+		relay_step_end(&step);
+	} while (n >= (uint64) batch);
+
+	/* Deliveries left behind by a destination dropped while an event was being published. */
+	do
+	{
+		if (!relay_step_begin(&step, "idempotency relay: cleanup", true))
+			return 0;
+		n = cleanup_batch(&cleanup_orphans_plan,
+						  "DELETE FROM idempotency.deliveries WHERE ctid = ANY (ARRAY("
+						  " SELECT d.ctid FROM idempotency.deliveries d"
+						  "  WHERE d.state <> 'delivered' AND d.next_attempt_at < $1"
+						  "    AND NOT EXISTS (SELECT FROM idempotency.destinations t"
+						  "                     WHERE t.id = d.destination_id)"
+						  "  LIMIT $2))",
+						  cutoff, batch);
+		relay_step_end(&step);
+	} while (n >= (uint64) batch);
+
+	/*
+	 * Fold each destination's rows of counter increments into one (and drop
+	 * those of dropped destinations).  Rows a relay appends meanwhile are not
+	 * seen by the delete, and stay.
+	 */
+	if (!relay_step_begin(&step, "idempotency relay: cleanup", true))
+		return 0;
+	relay_prepare(&fold_stats_plan,
+				  "WITH gone AS (DELETE FROM idempotency.destination_stats RETURNING *)"
+				  " INSERT INTO idempotency.destination_stats"
+				  " SELECT destination_id, sum(delivered), sum(retried), sum(dead_lettered),"
+				  "        sum(redelivered), sum(latency_sum_us),"
+				  "        (array_agg(last_latency_us ORDER BY last_delivered_at DESC NULLS LAST))[1],"
+				  "        max(last_delivered_at)"
+				  "   FROM gone"
+				  "  WHERE EXISTS (SELECT FROM idempotency.destinations t WHERE t.id = gone.destination_id)"
+				  "  GROUP BY destination_id",
+				  0, NULL);
+	if (SPI_execute_plan(fold_stats_plan, NULL, NULL, false, 0) != SPI_OK_INSERT)
+		elog(ERROR, "could not fold outbox statistics");
+	relay_step_end(&step);
+
+	/* Events past the retention that no delivery refers to any more. */
+	do
+	{
+		if (!relay_step_begin(&step, "idempotency relay: cleanup", true))
+			return events;
+		n = cleanup_batch(&cleanup_events_plan,
+						  "DELETE FROM idempotency.outbox WHERE event_id = ANY (ARRAY("
+						  " SELECT o.event_id FROM idempotency.outbox o"
+						  "  WHERE o.published_at < $1"
+						  "    AND NOT EXISTS (SELECT FROM idempotency.deliveries d"
+						  "                     WHERE d.event_id = o.event_id)"
+						  "  LIMIT $2))",
+						  cutoff, batch);
+		relay_step_end(&step);
+		events += n;
+	} while (n >= (uint64) batch);
+
+	return events;
+}
+
+PG_FUNCTION_INFO_V1(idem_outbox_relay);
+PG_FUNCTION_INFO_V1(idem_outbox_cleanup);
+
+/*
+ * idem_outbox_relay(max_events) returns bigint: one relay pass in the
+ * caller's transaction (see the file header); the deliveries attempted.
+ */
+Datum
+idem_outbox_relay(PG_FUNCTION_ARGS)
+{
+	if (PG_ARGISNULL(0))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("max_events must not be null")));
+	if (IsolationUsesXactSnapshot())
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("idem_outbox_relay() must run at isolation level READ COMMITTED"),
+				 errdetail("Claiming with SKIP LOCKED needs a fresh snapshot for each statement.")));
+	PreventCommandIfReadOnly("idem_outbox_relay()");
+	PG_RETURN_INT64(relay_pass(PG_GETARG_INT32(0)));
+}
+
+/*
+ * idem_outbox_cleanup(batch) returns bigint: outbox_cleanup in the caller's
+ * transaction; the events removed.
+ */
+Datum
+idem_outbox_cleanup(PG_FUNCTION_ARGS)
+{
+	if (PG_ARGISNULL(0))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("batch must not be null")));
+	PreventCommandIfReadOnly("idem_outbox_cleanup()");
+	PG_RETURN_INT64(outbox_cleanup(PG_GETARG_INT32(0)));
+}

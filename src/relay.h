@@ -1,0 +1,57 @@
+/*-------------------------------------------------------------------------
+ *
+ * relay.h
+ *	  The outbox relay: what the per-database background worker calls.
+ *
+ * The worker's loop (not inside a transaction) calls relay_run() when its
+ * latch is set or when relay_next_due() has come, and outbox_cleanup() now
+ * and then.  Both manage their own transactions when called outside one, and
+ * work inside the caller's transaction otherwise (the SQL entry points
+ * idem_outbox_relay and idem_outbox_cleanup).  An error propagates to the
+ * caller, whose error handling must abort the transaction.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEM_RELAY_H
+#define IDEM_RELAY_H
+
+#include "postgres.h"
+
+#include "datatype/timestamp.h"
+
+/*
+ * One relay pass in the current database: claim up to max_events due
+ * deliveries across all active destinations, deliver them, record the
+ * outcomes.  Returns the number of deliveries attempted.  The worker passes
+ * idempotency.relay_batch_size (relay_batch_size in outbox.h), and calls
+ * again at once while a pass attempted anything.  A pass does nothing on a
+ * hot standby, in a database without the outbox, or while another session
+ * holds a lock on the deliveries that it would wait for.
+ */
+extern int64 relay_run(int max_events);
+
+/*
+ * The earliest next_attempt_at of a pending delivery of an active
+ * destination (the visibility deadline of a claimed one included), or 0 if
+ * there is none: the worker can sleep until then.
+ */
+extern TimestampTz relay_next_due(void);
+
+/*
+ * Remove deliveries delivered longer than idempotency.outbox_retention ago,
+ * and events older than that with no delivery left, in batches of batch
+ * rows; fold the per-pass statistics rows.  Returns the number of events
+ * removed.
+ */
+extern int64 outbox_cleanup(int batch);
+
+/*
+ * Wake the relay of database dbid.  Called at commit (XACT_EVENT_COMMIT,
+ * once per transaction) by every transaction that published an event for
+ * some destination, redrove dead letters or resumed a destination.  It runs
+ * after the commit record is written, so it must not raise an error: setting
+ * the worker's latch is what it is for.  Defined in relay_wakeup.c.
+ */
+extern void WorkerWakeRelay(Oid dbid);
+
+#endif							/* IDEM_RELAY_H */

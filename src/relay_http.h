@@ -1,0 +1,88 @@
+/*-------------------------------------------------------------------------
+ *
+ * relay_http.h
+ *	  What one relay pass works on, and its HTTP delivery.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEM_RELAY_HTTP_H
+#define IDEM_RELAY_HTTP_H
+
+#include "postgres.h"
+
+#include "fmgr.h"
+#include "nodes/pg_list.h"
+#include "utils/jsonb.h"
+#include "utils/timestamp.h"
+#include "utils/uuid.h"
+
+#include "outbox.h"
+
+/* A destination as the relay uses it during one pass. */
+typedef struct RelayDest
+{
+	int32		id;
+	char	   *name;
+	DestKind	kind;
+	char	   *target;			/* channel, function signature or URL */
+	Oid			func;			/* kind 'function' */
+	Oid			run_as;
+	char	   *search_path;
+	List	   *secrets;		/* kind 'http': decoded HMAC keys (bytea *) */
+	Jsonb	   *headers;		/* kind 'http': extra headers, or NULL */
+	int32		max_attempts;
+	int64		backoff_base_ms;
+	int64		backoff_cap_ms;
+	int64		timeout_ms;
+	FmgrInfo	flinfo;			/* kind 'function', once looked up */
+	bool		flinfo_ready;
+	char	   *disable_reason; /* set when the endpoint answered 410 Gone */
+} RelayDest;
+
+/* What became of one claimed delivery. */
+typedef enum RelayOutcome
+{
+	RELAY_PENDING,				/* not attempted yet */
+	RELAY_DELIVERED,
+	RELAY_FAILED,
+	RELAY_SKIPPED,				/* another relay owns it now: record nothing */
+	RELAY_RELEASED				/* not attempted: its key's previous delivery was not
+								 * delivered; the claim is given back */
+} RelayOutcome;
+
+/* One claimed delivery. */
+typedef struct RelayItem
+{
+	pg_uuid_t	event_id;
+	int32		dest_id;
+	RelayDest  *dest;			/* NULL if the destination was dropped */
+	int32		attempts;		/* this attempt's number: our claim's fencing token */
+	int64		seq;
+	bool		interrupted;	/* the previous attempt's outcome was never recorded */
+	char	   *topic;
+	char	   *key;			/* NULL if the event has none */
+	TimestampTz published_at;
+	char	   *body;			/* http: the payload; notify: the envelope text */
+	Jsonb	   *envelope;		/* function: the envelope */
+	Jsonb	   *event_headers;	/* http: the event's headers, or NULL */
+
+	struct RelayItem *chain_next;	/* the next delivery of the same key to the
+									 * same destination in this batch */
+	bool		chain_held;		/* waits for its predecessor in the batch */
+	int			http_slot;		/* relay_http.c: its request */
+
+	RelayOutcome outcome;
+	int32		status;			/* HTTP status, 0 if none */
+	char	   *error;			/* why it failed */
+	TimestampTz finished_at;
+} RelayItem;
+
+/* relay.c */
+extern void relay_release_chain(RelayItem *it);
+
+/* relay_http.c */
+extern const char *http_check_url(const char *url);
+extern bytea *http_decode_secret(const char *secret);
+extern void http_deliver(RelayItem **items, int nitems);
+
+#endif							/* IDEM_RELAY_HTTP_H */

@@ -1,0 +1,175 @@
+# Per-key order while publishers write concurrently, and a NOTIFY consumer.
+#
+# pgbench publishes keyed events from four connections, 100 transactions a
+# second in all (some publish two events of the same key), while the test
+# runs relay passes; for
+# a while the webhook sink answers 500, so deliveries are retried with
+# backoff in the middle of the stream.  For every key, the order in which the
+# sink accepted the events and the order in which a function destination
+# received them is the publish order (seq), and every event arrives once.
+#
+# A session that LISTENs on a 'notify' destination's channel receives small
+# events as their envelope and events too large for NOTIFY as a reference,
+# which it reads back with idem_outbox_event().
+use strict;
+use warnings;
+
+use FindBin;
+use lib $FindBin::RealBin;
+
+use IPC::Run;
+use JSON::PP;
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+use Time::HiRes qw(time sleep);
+use WebhookSink;
+
+my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
+
+my $node = PostgreSQL::Test::Cluster->new('main');
+$node->init;
+$node->append_conf('postgresql.conf', "shared_preload_libraries = 'idempotency'");
+$node->start;
+$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
+
+my $sink = WebhookSink->new(
+	port => PostgreSQL::Test::Cluster::get_free_port(),
+	dir => PostgreSQL::Test::Utils::tempdir(),
+	secrets => [$SECRET])->start;
+
+$node->safe_psql('postgres', sprintf(q{
+	CREATE TABLE fsink (n bigserial PRIMARY KEY, event_id uuid, key text);
+	CREATE FUNCTION fdest(event jsonb) RETURNS void LANGUAGE sql AS $$
+		INSERT INTO fsink (event_id, key) VALUES ((event->>'id')::uuid, event->>'key')
+	$$;
+	SELECT idem_destination_create('fn', 'function', 'fdest(jsonb)', '{order.*}');
+	SELECT idem_destination_create('hook', 'http', '%s', '{order.*}',
+		jsonb_build_object('secret', '%s', 'backoff_base', '20ms', 'backoff_cap', '100ms',
+			'max_attempts', 1000));}, $sink->url, $SECRET));
+
+# ---- Per-key order under concurrent publishers.
+my $dir = PostgreSQL::Test::Utils::tempdir();
+my $script = "$dir/publish.sql";
+open(my $fh, '>', $script) or die;
+print $fh q{\set k random(1, 8)
+\set two random(0, 1)
+BEGIN;
+SELECT idem_publish('order.step', jsonb_build_object('k', :k), 'key-' || :k, jsonb_build_object('x-event-key', 'key-' || :k, 'x-event-topic', 'order.step'));
+SELECT idem_publish('order.step', jsonb_build_object('k', :k), 'key-' || :k, jsonb_build_object('x-event-key', 'key-' || :k, 'x-event-topic', 'order.step')) WHERE :two = 1;
+COMMIT;
+};
+close $fh;
+my ($out, $err) = ('', '');
+my $pgbench = IPC::Run::start(
+	[ 'pgbench', '-n', '-c', '4', '-j', '2', '-T', '4', '-R', '100', '-f', $script,
+	  '-h', $node->host, '-p', $node->port, 'postgres' ],
+	'>', \$out, '2>', \$err);
+
+my $t0 = time();
+my $failing = 0;
+while ($pgbench->pumpable)
+{
+	my $elapsed = time() - $t0;
+	if (!$failing && $elapsed > 1.0 && $elapsed < 2.0)
+	{
+		$sink->set_mode('500');
+		$failing = 1;
+	}
+	elsif ($failing && $elapsed >= 2.0)
+	{
+		$sink->set_mode('204');
+		$failing = 0;
+	}
+	$node->safe_psql('postgres', 'SELECT idem_outbox_relay(200)');
+	$pgbench->pump_nb;
+	sleep 0.01;
+}
+$pgbench->finish;
+is($pgbench->result(0), 0, 'pgbench published without errors') or diag($err);
+$sink->set_mode('204');
+my $deadline = time() + 30;
+while (time() < $deadline)
+{
+	$node->safe_psql('postgres', 'SELECT idem_outbox_relay()');
+	last if $node->safe_psql('postgres',
+		"SELECT count(*) FROM idempotency.deliveries WHERE state <> 'delivered'") eq '0';
+	sleep 0.02;
+}
+
+my %seq;
+my %key;
+for my $row (split /\n/, $node->safe_psql('postgres', 'SELECT event_id, seq, key FROM idempotency.outbox'))
+{
+	my ($id, $s, $k) = split /\|/, $row;
+	$seq{$id} = $s;
+	$key{$id} = $k;
+}
+my $events = scalar(keys %seq);
+cmp_ok($events, '>', 300, "$events events published concurrently");
+is( $node->safe_psql('postgres', q{SELECT count(*) FROM idempotency.deliveries WHERE state = 'delivered'}),
+	2 * $events, 'all delivered to both destinations');
+cmp_ok($node->safe_psql('postgres', q{SELECT retried FROM idem_outbox_stats WHERE destination = 'hook'}),
+	'>', 0, 'webhooks were retried in the middle of the stream');
+
+# Order per key as received, compared with seq.
+sub in_order
+{
+	my (@ids) = @_;
+	my %last;
+	my $ok = 1;
+	for my $id (@ids)
+	{
+		my $k = $key{$id};
+		$ok = 0 if defined $last{$k} && $seq{$id} <= $last{$k};
+		$last{$k} = $seq{$id};
+	}
+	return $ok;
+}
+my @accepted = $sink->accepted;
+is(scalar(@accepted), $events, 'the sink accepted as many webhooks as there are events');
+my %once;
+$once{$_}++ for @accepted;
+is(scalar(grep { $once{$_} == 1 } keys %seq), $events, 'each event exactly once');
+ok(in_order(@accepted), 'webhooks of each key were accepted in publish order');
+my @received = split /\n/, $node->safe_psql('postgres', 'SELECT event_id FROM fsink ORDER BY n');
+is(scalar(@received), $events, 'the function destination got every event');
+ok(in_order(@received), 'function calls of each key came in publish order');
+my $keys_with_many = $node->safe_psql('postgres',
+	q{SELECT count(*) FROM (SELECT key FROM idempotency.outbox GROUP BY key HAVING count(*) > 20) k});
+is($keys_with_many, '8', 'each of the 8 keys had many events');
+
+# ---- NOTIFY: small events as envelopes, large ones as references.
+$node->safe_psql('postgres',
+	q{SELECT idem_destination_create('chan', 'notify', 'shop_events', '{shop.*}')});
+my $listener = $node->background_psql('postgres');
+$listener->query_safe('LISTEN shop_events');
+my $small = $node->safe_psql('postgres', q{SELECT idem_publish('shop.small', '{"size": "small"}', 'cart-1')});
+my $large = $node->safe_psql('postgres',
+	q{SELECT idem_publish('shop.large', jsonb_build_object('blob', repeat('y', 20000)), 'cart-1')});
+# Same key: one pass takes both, and sends them in order.
+is($node->safe_psql('postgres', 'SELECT idem_outbox_relay()'), '2', 'one pass sends both events of the key');
+my $got = '';
+$deadline = time() + 10;
+while (time() < $deadline && ($got =~ tr/\n//) < 2)
+{
+	my $o = $listener->query_safe('SELECT 1');
+	$got .= join("\n", grep { /Asynchronous notification/ } split /\n/, $o);
+	$got .= "\n" if $got ne '' && $got !~ /\n$/;
+	sleep 0.05;
+}
+my @payloads = map { /with payload "(.*)" received from server process/ ? decode_json($1) : () }
+  split /\n/, $got;
+is(scalar(@payloads), 2, 'the listener received two notifications');
+is($payloads[0]{id}, $small, 'first the small event, under its event id');
+is_deeply($payloads[0]{payload}, { size => 'small' }, 'with its payload');
+is($payloads[0]{topic} . ' ' . $payloads[0]{key}, 'shop.small cart-1', 'topic and key');
+is($payloads[1]{id}, $large, 'then the large event, under its event id');
+ok($payloads[1]{reference} && !exists $payloads[1]{payload}, 'as a reference, without the payload');
+is( $listener->query_safe("SELECT length(idem_outbox_event('$payloads[1]{id}')->'payload'->>'blob')"),
+	'20000', 'which the consumer reads back in full');
+$listener->quit;
+
+$sink->stop;
+$node->stop;
+done_testing();

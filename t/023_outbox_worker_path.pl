@@ -1,0 +1,203 @@
+# The relay as the background worker runs it: relay_run() outside any
+# transaction, through the test harness idem_relay_harness() (a short-lived
+# background worker, see src/relay_harness.c).  Here the claim commits before
+# any effect and HTTP requests go out while no transaction is open, so a
+# crash leaves committed claims behind:
+#
+#  - kill -9 of the relay with ten webhooks in flight: after recovery every
+#    claimed delivery carries its attempt and stays hidden until its
+#    visibility deadline; then it is claimed again and delivered.  Nothing is
+#    lost, the sink's duplicates are exactly the ten requests in flight, and
+#    the relay counts every repeated attempt as 'redelivered' (possible
+#    duplicates: an upper bound, since it cannot know which requests left);
+#  - kill -9 inside a destination function: the claims survive but the calls
+#    and marks roll back together, and after the deadline each event is
+#    delivered exactly once;
+#  - a pass skips, rather than waits, while another session holds a lock on
+#    the deliveries (DROP EXTENSION, TRUNCATE, CREATE INDEX);
+#  - relay_next_due() tells the worker when to wake up.
+use strict;
+use warnings;
+
+use FindBin;
+use lib $FindBin::RealBin;
+
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+use Time::HiRes qw(time sleep);
+use WebhookSink;
+
+my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
+
+my $node = PostgreSQL::Test::Cluster->new('main');
+$node->init;
+$node->append_conf('postgresql.conf', q{
+shared_preload_libraries = 'idempotency'
+restart_after_crash = on
+idempotency.relay_max_in_flight = 10
+idempotency.relay_visibility_margin = '1s'
+});
+$node->start;
+$node->safe_psql('postgres', q{
+	CREATE EXTENSION idempotency;
+	CREATE FUNCTION idem_relay_harness(max_events int, max_passes int) RETURNS bigint
+		AS 'idempotency', 'idem_relay_harness' LANGUAGE C STRICT;
+	CREATE FUNCTION idem_relay_next_due() RETURNS timestamptz
+		AS 'idempotency', 'idem_relay_next_due' LANGUAGE C;
+});
+
+my $sink = WebhookSink->new(
+	port => PostgreSQL::Test::Cluster::get_free_port(),
+	dir => PostgreSQL::Test::Utils::tempdir(),
+	secrets => [$SECRET])->start;
+
+sub harness
+{
+	my ($max_events, $passes) = @_;
+	return $node->safe_psql('postgres', "SELECT idem_relay_harness($max_events, $passes)");
+}
+
+sub relay_until_done
+{
+	my $deadline = time() + 30;
+	while (time() < $deadline)
+	{
+		harness(100, 10);
+		return 1 if $node->safe_psql('postgres',
+			"SELECT count(*) FROM idempotency.deliveries WHERE state <> 'delivered'") eq '0';
+		sleep 0.1;
+	}
+	return 0;
+}
+
+# kill -9 the harness worker and wait until the server has recovered.
+sub crash_worker
+{
+	my ($caller) = @_;
+	my $pid = $node->safe_psql('postgres',
+		"SELECT pid FROM pg_stat_activity WHERE backend_type = 'idempotency relay harness'");
+	die 'no harness worker running' unless $pid;
+	kill 'KILL', $pid;
+	$caller->{run}->kill_kill;
+	$node->poll_query_until('postgres', 'SELECT true') or die 'server did not come back';
+	return $pid;
+}
+
+# ---- The worker's path delivers all three kinds.
+$node->safe_psql('postgres', sprintf(q{
+	CREATE TABLE fsink (event_id uuid, n int);
+	CREATE TABLE stall (on_n int);
+	INSERT INTO stall VALUES (NULL);
+	CREATE FUNCTION fdest(event jsonb) RETURNS void LANGUAGE plpgsql AS $$
+	BEGIN
+		INSERT INTO fsink VALUES ((event->>'id')::uuid, (event->'payload'->>'n')::int);
+		IF (event->'payload'->>'n')::int = (SELECT on_n FROM stall) THEN
+			PERFORM pg_sleep(60);
+		END IF;
+	END $$;
+	SELECT idem_destination_create('fn', 'function', 'fdest(jsonb)', '{fn.*}');
+	SELECT idem_destination_create('hook', 'http', '%s', '{hook.*}',
+		jsonb_build_object('secret', '%s', 'timeout', '1s'));
+	SELECT idem_destination_create('chan', 'notify', 'worker_events', '{chan.*}');},
+	$sink->url, $SECRET));
+$node->safe_psql('postgres', q{
+	SELECT idem_publish(t || '.x', jsonb_build_object('n', n))
+	  FROM generate_series(1, 10) n, unnest('{fn,hook,chan}'::text[]) t});
+is(harness(100, 10), '30', 'the harness worker delivers 30 events in its own transactions');
+is( $node->safe_psql('postgres', q{
+		SELECT string_agg(destination || ':' || delivered || ':' || backlog, ' ' ORDER BY destination)
+		  FROM idem_outbox_stats}),
+	'chan:10:0 fn:10:0 hook:10:0', 'to each kind of destination');
+is($node->safe_psql('postgres', 'SELECT idem_relay_next_due()'), '', 'nothing pending: no next due time');
+
+# ---- HTTP: the relay dies with ten requests in flight.
+$sink->clear_log;
+$sink->set_mode('sleep 3 204');
+my @ids = split /\n/, $node->safe_psql('postgres',
+	q{SELECT idem_publish('hook.y', jsonb_build_object('n', n)) FROM generate_series(1, 30) n});
+my $caller = $node->background_psql('postgres', on_error_stop => 0);
+$caller->query_until(qr/relaying/, "\\echo relaying\nSELECT idem_relay_harness(30, 1);\n");
+my $deadline = time() + 20;
+sleep 0.05 while time() < $deadline && (grep { $_->{what} eq 'received' } $sink->entries) < 10;
+my @in_flight = map { $_->{id} } grep { $_->{what} eq 'received' } $sink->entries;
+is(scalar(@in_flight), 10, 'ten requests in flight');
+my $crash_time = time();
+crash_worker($caller);
+is( $node->safe_psql('postgres', q{
+		SELECT count(*) || ' ' || min(attempts) || ' ' || max(attempts) || ' ' || bool_and(visible_until > now())
+		  FROM idempotency.deliveries x JOIN idempotency.outbox o USING (event_id) WHERE o.topic = 'hook.y'}),
+	'30 1 1 true', 'after the crash, all 30 claims are committed: attempt 1, hidden until their deadline');
+is(harness(100, 1), '0', 'before the deadline no relay takes them');
+my $due = $node->safe_psql('postgres',
+	q{SELECT extract(epoch FROM idem_relay_next_due() - now()) BETWEEN 0 AND 5});
+is($due, 't', 'relay_next_due() is their visibility deadline, seconds away');
+
+sleep 3.2;    # the sink answers the abandoned requests
+$sink->set_mode('204');
+ok(relay_until_done(), 'after the deadline the relay delivers them all');
+my %accepted;
+$accepted{$_}++ for $sink->accepted;
+is(scalar(grep { $accepted{$_} } @ids), 30, 'nothing lost');
+my @dups = sort grep { $accepted{$_} > 1 } keys %accepted;
+is_deeply(\@dups, [ sort @in_flight ], 'the duplicates are exactly the ten requests in flight');
+is( $node->safe_psql('postgres', q{
+		SELECT min(attempts) || ' ' || max(attempts) FROM idempotency.deliveries x
+		  JOIN idempotency.outbox o USING (event_id) WHERE o.topic = 'hook.y'}),
+	'2 2', 'each delivered at its second attempt');
+is( $node->safe_psql('postgres', q{SELECT delivered || ' ' || redelivered FROM idem_outbox_stats WHERE destination = 'hook'}),
+	'40 30', 'redelivered counts the 30 repeated attempts: at least the 10 actual duplicates');
+
+# ---- Function: the relay dies inside a call, in the middle of a batch.
+$node->safe_psql('postgres', q{UPDATE stall SET on_n = 10});
+@ids = split /\n/, $node->safe_psql('postgres',
+	q{SELECT idem_publish('fn.z', jsonb_build_object('n', n)) FROM generate_series(1, 20) n});
+$caller = $node->background_psql('postgres', on_error_stop => 0);
+$caller->query_until(qr/relaying/, "\\echo relaying\nSELECT idem_relay_harness(20, 1);\n");
+$node->poll_query_until('postgres', q{
+	SELECT count(*) = 1 FROM pg_stat_activity
+	 WHERE backend_type = 'idempotency relay harness' AND wait_event = 'PgSleep'})
+  or die 'the destination function never started sleeping';
+crash_worker($caller);
+is($node->safe_psql('postgres', q{SELECT count(*) FROM fsink WHERE n IS NOT NULL AND event_id IN (SELECT event_id FROM idempotency.outbox WHERE topic = 'fn.z')}),
+	'0', 'the calls made before the crash left nothing behind');
+is( $node->safe_psql('postgres', q{
+		SELECT state || ' ' || attempts || ' ' || count(*) FROM idempotency.deliveries x
+		  JOIN idempotency.outbox o USING (event_id) WHERE o.topic = 'fn.z' GROUP BY state, attempts}),
+	'pending 1 20', 'their claims (attempt 1) were committed before the calls');
+$node->safe_psql('postgres', q{UPDATE stall SET on_n = NULL});
+ok(relay_until_done(), 'after the deadline, delivered');
+is( $node->safe_psql('postgres', q{
+		SELECT count(*) || ' ' || count(DISTINCT event_id) FROM fsink
+		 WHERE event_id IN (SELECT event_id FROM idempotency.outbox WHERE topic = 'fn.z')}),
+	'20 20', 'exactly once each');
+
+# ---- A session holding a lock the relay would wait for: the pass is skipped.
+$node->safe_psql('postgres', q{SELECT idem_publish('fn.locked', '{}')});
+my $locker = $node->background_psql('postgres');
+$locker->query_safe('BEGIN; LOCK idempotency.deliveries IN SHARE MODE');
+my $t = time();
+is(harness(10, 1), '0', 'while another session holds a SHARE lock on the deliveries, the pass does nothing');
+cmp_ok(time() - $t, '<', 5, 'and does not wait for it');
+$locker->query_safe('COMMIT');
+$locker->quit;
+is(harness(10, 1), '1', 'once it is gone, the pass delivers');
+
+# ---- relay_next_due() follows a retry's backoff.
+$node->safe_psql('postgres', q{
+	CREATE FUNCTION refuse(event jsonb) RETURNS void LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'no'; END $$;
+	SELECT idem_destination_create('refuser', 'function', 'refuse(jsonb)', '{later.*}',
+		'{"backoff_base": "1h", "backoff_cap": "1h"}');
+	SELECT idem_publish('later.x', '{}');
+});
+is(harness(10, 1), '1', 'a failing delivery');
+is( $node->safe_psql('postgres', q{
+		SELECT idem_relay_next_due() = (SELECT next_attempt_at FROM idempotency.deliveries WHERE state = 'pending')
+		   AND idem_relay_next_due() <= now() + interval '1 hour'}),
+	't', 'relay_next_due() is its next attempt, within the backoff window');
+$node->safe_psql('postgres', q{SELECT idem_destination_pause('refuser')});
+is($node->safe_psql('postgres', 'SELECT idem_relay_next_due()'), '', 'a paused destination has nothing due');
+
+$sink->stop;
+$node->stop;
+done_testing();

@@ -666,6 +666,13 @@ worker_pass(void)
 
 	if (!worker_extension_present())
 		return;
+	/* A server made read-only on purpose gets no writes from us either. */
+	if (DefaultXactReadOnly)
+	{
+		elog(DEBUG1, "idempotency cleanup of database \"%s\" skipped: default_transaction_read_only is on",
+			 worker_dbname);
+		return;
+	}
 
 	memset(&pass, 0, sizeof(pass));
 	pass.started_at = GetCurrentTimestamp();

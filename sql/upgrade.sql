@@ -50,7 +50,13 @@ SELECT string_agg(attname, ',' ORDER BY attnum) AS columns
 SELECT idem_inbox_accept('upgrade-topic', 'm1'), idem_inbox_accept('upgrade-topic', 'm1');
 SELECT claims, replays, inbox_accepted, inbox_duplicates
   FROM idem_stats WHERE datname = current_database();
+-- A database new to the statistics: before its first cleanup pass, the
+-- cleanup columns are NULL.
+SELECT cleanup_runs, last_cleanup_at, last_cleanup_duration, cleanup_lag, expired_processing
+  FROM idem_stats WHERE datname = current_database();
 SELECT idem_cleanup();
+SELECT cleanup_runs, last_cleanup_at IS NOT NULL AS has_last_cleanup, expired_processing
+  FROM idem_stats WHERE datname = current_database();
 CREATE VIEW extension_objects AS
 SELECT pg_describe_object(classid, objid, objsubid) AS object
   FROM pg_depend

@@ -170,13 +170,6 @@ StatsInit(void)
 	shmem_startup_hook = stats_shmem_startup;
 }
 
-/* Whether the statistics exist (the library was preloaded). */
-bool
-idem_stats_enabled(void)
-{
-	return stats != NULL;
-}
-
 /* The slot of dbid, or NULL; the caller holds the LWLock. */
 static IdemStatsSlot *
 stats_find_slot(Oid dbid)

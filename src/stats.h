@@ -42,7 +42,6 @@ typedef struct IdemCleanupReport
 extern int	idem_max_databases;
 
 extern void StatsInit(void);
-extern bool idem_stats_enabled(void);
 extern void idem_stats_count(IdemStatCounter counter);
 extern void idem_stats_add(IdemStatCounter counter, uint64 n);
 extern void idem_stats_report_cleanup(const IdemCleanupReport *report);

@@ -15,6 +15,7 @@
 /* GUCs */
 extern int	idem_cleanup_interval;
 extern int	idem_cleanup_batch_size;
+extern int	idem_cleanup_delay;
 extern char *idem_databases;
 
 extern void WorkerInit(void);

@@ -11,13 +11,15 @@ use Test::More;
 my $node = PostgreSQL::Test::Cluster->new('main');
 $node->init;
 # A long interval: the backlog is loaded while the worker sleeps, then a
-# reload with a short interval starts the pass.
+# reload with a short interval starts the pass.  No pause between batches:
+# the worker spends its time inside them, where it is to be killed.
 $node->append_conf('postgresql.conf', qq{
 shared_preload_libraries = 'idempotency'
 restart_after_crash = on
 idempotency.databases = 'postgres'
 idempotency.cleanup_interval = '1h'
 idempotency.cleanup_batch_size = 100
+idempotency.cleanup_delay = 0
 });
 $node->start;
 $node->safe_psql('postgres', 'CREATE EXTENSION idempotency');

@@ -639,7 +639,7 @@ worker_batch(CleanupTarget *target, CleanupPass *pass, bool first)
 	else if (!ConditionalLockRelationOid(relid, RowExclusiveLock))
 		result = BATCH_BUSY;
 	else if (cleanup_relid(target->relname) != relid)
-		result = BATCH_ABSENT;	/* dropped while we waited for nothing */
+		result = BATCH_ABSENT;	/* dropped between the lookup and the lock */
 	else
 	{
 		Relation	rel = table_open(relid, NoLock);

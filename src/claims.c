@@ -255,8 +255,8 @@ ClaimsInit(void)
 	RegisterSubXactCallback(claims_subxact_callback, NULL);
 }
 
-/* A text argument that must not be NULL. */
-static text *
+/* A text argument that must not be NULL (22004 otherwise). */
+text *
 claim_arg_text(FunctionCallInfo fcinfo, int argno, const char *name)
 {
 	if (PG_ARGISNULL(argno))

@@ -56,6 +56,7 @@ typedef struct ClaimAnswer
 
 extern void ClaimsInit(void);
 
+extern text *claim_arg_text(FunctionCallInfo fcinfo, int argno, const char *name);
 extern void claim_scope_key_args(FunctionCallInfo fcinfo, text **scope, text **key);
 extern void claim_check_request(FunctionCallInfo fcinfo);
 extern TimestampTz claim_interval_end(FunctionCallInfo fcinfo, int argno,

@@ -176,17 +176,6 @@ inbox_insert(Relation rel, text *source, text *message_id,
 	CommandCounterIncrement();
 }
 
-/* A text argument that must not be NULL. */
-static text *
-inbox_arg_text(FunctionCallInfo fcinfo, int argno, const char *name)
-{
-	if (PG_ARGISNULL(argno))
-		ereport(ERROR,
-				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-				 errmsg("%s must not be null", name)));
-	return PG_GETARG_TEXT_PP(argno);
-}
-
 /*
  * Validate source and message id: both non-empty and at most 255 bytes; the
  * message id without control characters (it is often a UUID or a number, but
@@ -236,8 +225,8 @@ PG_FUNCTION_INFO_V1(idem_inbox_accept);
 Datum
 idem_inbox_accept(PG_FUNCTION_ARGS)
 {
-	text	   *source = inbox_arg_text(fcinfo, 0, "source");
-	text	   *message_id = inbox_arg_text(fcinfo, 1, "message_id");
+	text	   *source = claim_arg_text(fcinfo, 0, "source");
+	text	   *message_id = claim_arg_text(fcinfo, 1, "message_id");
 	TimestampTz now = GetCurrentTimestamp();
 	TimestampTz expires_at;
 	Relation	rel;

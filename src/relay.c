@@ -122,6 +122,37 @@ relay_prepare(SPIPlanPtr *plan, const char *sql, int nargs, Oid *argtypes)
 }
 
 /*
+ * Settings for the relay's own statements (claim, relock, record, next due),
+ * in a new GUC nest level that the caller ends with AtEOXact_GUC.  Those
+ * statements must reach the rows of a batch through indexes or TIDs however
+ * the tables' statistics look: statistics taken while the outbox was idle
+ * describe a burst's backlog as an empty table, and a plan chosen for one
+ * sorts the whole backlog on every pass, or reads it once per delivery of
+ * the batch.  The statements are shaped for that (see CLAIM_UPDATE); these
+ * settings take away the planner's remaining ways around it: no sequential
+ * scans, no sorts (the due deliveries come from deliveries_due in
+ * next_attempt_at order, and the scan stops after max_events of them), no
+ * bitmap scans.  A large backlog also makes the estimates cross
+ * jit_above_cost, and compiling would cost more than these short statements
+ * run: no JIT.  Destination functions never run under these settings.
+ */
+static int
+relay_plan_settings(void)
+{
+	int			save_nestlevel = NewGUCNestLevel();
+
+	(void) set_config_option("enable_seqscan", "off", PGC_USERSET, PGC_S_SESSION,
+							 GUC_ACTION_SAVE, true, 0, false);
+	(void) set_config_option("enable_sort", "off", PGC_USERSET, PGC_S_SESSION,
+							 GUC_ACTION_SAVE, true, 0, false);
+	(void) set_config_option("enable_bitmapscan", "off", PGC_USERSET, PGC_S_SESSION,
+							 GUC_ACTION_SAVE, true, 0, false);
+	(void) set_config_option("jit", "off", PGC_USERSET, PGC_S_SESSION,
+							 GUC_ACTION_SAVE, true, 0, false);
+	return save_nestlevel;
+}
+
+/*
  * Begin a step: start a transaction if the pass manages its own (as
  * worker_spi does), then connect to SPI as the tables' owner.  Returns false,
  * with nothing begun, when the outbox is not installed in this database, or
@@ -280,34 +311,45 @@ relay_item_cmp(const void *a, const void *b)
  * What the claim statements set and return: the claim itself (attempt,
  * visibility deadline) and what delivering needs.  $1 is now, $3 the
  * visibility margin, $4 the number of waves of HTTP requests; the statement
- * defines "picked" (the deliveries to claim, with interrupted: whether the
- * previous attempt's outcome was never recorded).
+ * defines "picked" (the deliveries to claim: tid, their current row version,
+ * and interrupted: whether the previous attempt's outcome was never
+ * recorded).
+ *
+ * Every access to the deliveries and the outbox goes through a row's TID or
+ * a lookup by key in a LATERAL subquery with LIMIT 1, which the planner can
+ * only run as an index lookup per row.  Plain joins would let it pick, on
+ * statistics taken while the outbox was small or idle, a plan that reads the
+ * whole table for every claimed row.
  */
 #define CLAIM_UPDATE \
 	" , deadline AS MATERIALIZED (" \
 	" SELECT $1 + ($3 + $4 * coalesce(max(timeout_ms), 0)) * interval '1 ms' AS at" \
 	"   FROM idempotency.destinations" \
-	"  WHERE kind = 'http' AND NOT paused AND disabled_at IS NULL)" \
+	"  WHERE kind = 'http' AND NOT paused AND disabled_at IS NULL)," \
+	" claimed AS (" \
 	" UPDATE idempotency.deliveries d" \
 	"    SET attempts = d.attempts + 1," \
 	"        next_attempt_at = deadline.at," \
 	"        visible_until = deadline.at," \
 	"        first_attempt_at = coalesce(d.first_attempt_at, $1)," \
 	"        last_attempt_at = $1" \
-	"   FROM picked, deadline, idempotency.destinations t, idempotency.outbox o" \
-	"  WHERE d.event_id = picked.event_id AND d.destination_id = picked.destination_id" \
-	"    AND t.id = d.destination_id AND o.event_id = d.event_id" \
-	" RETURNING d.event_id, d.destination_id, d.attempts, d.seq, picked.interrupted," \
-	"    o.topic, o.published_at," \
-	"    CASE t.kind WHEN 'http' THEN o.payload::text" \
-	"      WHEN 'notify' THEN jsonb_build_object('id', o.event_id, 'topic', o.topic," \
-	"        'key', o.key, 'payload', o.payload, 'headers', o.headers," \
-	"        'published_at', o.published_at)::text END," \
-	"    CASE t.kind WHEN 'function' THEN jsonb_build_object('id', o.event_id," \
-	"        'topic', o.topic, 'key', o.key, 'payload', o.payload," \
-	"        'headers', o.headers, 'published_at', o.published_at) END," \
-	"    CASE t.kind WHEN 'http' THEN o.headers END," \
-	"    d.key"
+	"   FROM picked, deadline" \
+	"  WHERE d.ctid = picked.tid" \
+	" RETURNING d.event_id, d.destination_id, d.attempts, d.seq, picked.interrupted, d.key)" \
+	" SELECT c.event_id, c.destination_id, c.attempts, c.seq, c.interrupted," \
+	"        x.topic, x.published_at, x.body, x.envelope, x.headers, c.key" \
+	"   FROM claimed c JOIN idempotency.destinations t ON t.id = c.destination_id," \
+	"   LATERAL (" \
+	"    SELECT o.topic, o.published_at," \
+	"      CASE t.kind WHEN 'http' THEN o.payload::text" \
+	"        WHEN 'notify' THEN jsonb_build_object('id', o.event_id, 'topic', o.topic," \
+	"          'key', o.key, 'payload', o.payload, 'headers', o.headers," \
+	"          'published_at', o.published_at)::text END AS body," \
+	"      CASE t.kind WHEN 'function' THEN jsonb_build_object('id', o.event_id," \
+	"          'topic', o.topic, 'key', o.key, 'payload', o.payload," \
+	"          'headers', o.headers, 'published_at', o.published_at) END AS envelope," \
+	"      CASE t.kind WHEN 'http' THEN o.headers END AS headers" \
+	"      FROM idempotency.outbox o WHERE o.event_id = c.event_id LIMIT 1) x"
 
 /* Append the rows a claim statement returned to items, copied into cxt. */
 static int
@@ -353,24 +395,11 @@ relay_claim_heads(int max_events, TimestampTz now, MemoryContext cxt,
 	Oid			argtypes[4] = {TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID};
 	Datum		values[4];
 	SPIPlanPtr	plan;
-	int			save_nestlevel;
 	int			rc;
 
-	/*
-	 * The due deliveries must come from deliveries_due in next_attempt_at
-	 * order, so that the scan stops after max_events of them however long
-	 * the backlog.  Statistics taken while the outbox was idle make a burst
-	 * look tiny, and the planner would then read the whole backlog and sort
-	 * it, on every pass.  Sorting is therefore off for this statement.
-	 */
-	save_nestlevel = NewGUCNestLevel();
-	(void) set_config_option("enable_sort", "off", PGC_USERSET, PGC_S_SESSION,
-							 GUC_ACTION_SAVE, true, 0, false);
-	(void) set_config_option("enable_bitmapscan", "off", PGC_USERSET, PGC_S_SESSION,
-							 GUC_ACTION_SAVE, true, 0, false);
 	plan = relay_prepare(&claim_plan,
-						 "WITH picked AS ("
-						 " SELECT d.event_id, d.destination_id, d.visible_until IS NOT NULL AS interrupted"
+						 "WITH picked AS MATERIALIZED ("
+						 " SELECT d.ctid AS tid, d.visible_until IS NOT NULL AS interrupted"
 						 "   FROM idempotency.deliveries d"
 						 "  WHERE d.state = 'pending' AND d.next_attempt_at <= $1"
 						 "    AND d.destination_id IN (SELECT t.id FROM idempotency.destinations t"
@@ -391,8 +420,7 @@ relay_claim_heads(int max_events, TimestampTz now, MemoryContext cxt,
 	/* HTTP requests go out in waves of relay_max_in_flight. */
 	values[3] = Int32GetDatum((max_events + relay_max_in_flight - 1) / relay_max_in_flight);
 	rc = SPI_execute_plan(plan, values, NULL, false, 0);
-	AtEOXact_GUC(true, save_nestlevel);
-	if (rc != SPI_OK_UPDATE_RETURNING)
+	if (rc != SPI_OK_SELECT)
 		elog(ERROR, "could not claim outbox deliveries");
 	return relay_read_claimed(cxt, items, 0);
 }
@@ -435,21 +463,21 @@ relay_claim_followers(int room, TimestampTz now, MemoryContext cxt,
 						 " SELECT * FROM unnest($5::int4[], $6::text[], $7::int8[])"
 						 "   AS h(destination_id, key, seq)),"
 						 " chained AS ("
-						 " SELECT f.event_id, f.destination_id, f.interrupted, f.pos,"
+						 " SELECT f.tid, f.interrupted, f.pos,"
 						 "        bool_and(f.due) OVER (PARTITION BY f.destination_id, f.key"
 						 "                              ORDER BY f.seq) AS unbroken"
 						 "   FROM heads h, LATERAL ("
-						 "        SELECT e.event_id, e.destination_id, e.key, e.seq,"
+						 "        SELECT e.tid, e.destination_id, e.key, e.seq,"
 						 "               e.visible_until IS NOT NULL AS interrupted,"
 						 "               e.state = 'pending' AND e.next_attempt_at <= $1 AS due,"
 						 "               row_number() OVER (ORDER BY e.seq) AS pos"
-						 "          FROM (SELECT * FROM idempotency.deliveries e"
+						 "          FROM (SELECT e.ctid AS tid, e.* FROM idempotency.deliveries e"
 						 "                 WHERE e.destination_id = h.destination_id"
 						 "                   AND e.key = h.key COLLATE \"C\""
 						 "                   AND e.seq > h.seq AND e.state <> 'delivered'"
 						 "                 ORDER BY e.seq LIMIT $8) e) f),"
-						 " picked AS ("
-						 " SELECT event_id, destination_id, interrupted FROM chained"
+						 " picked AS MATERIALIZED ("
+						 " SELECT tid, interrupted FROM chained"
 						 "  WHERE unbroken ORDER BY pos LIMIT $2)"
 						 CLAIM_UPDATE,
 						 8, argtypes);
@@ -462,7 +490,7 @@ relay_claim_followers(int room, TimestampTz now, MemoryContext cxt,
 	values[5] = relay_array(keys, NULL, nheads, TEXTOID);
 	values[6] = relay_array(seqs, NULL, nheads, INT8OID);
 	values[7] = Int32GetDatum((room + nheads - 1) / nheads);
-	if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_UPDATE_RETURNING)
+	if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_SELECT)
 		elog(ERROR, "could not claim outbox deliveries");
 	return relay_read_claimed(cxt, items, n);
 }
@@ -526,10 +554,12 @@ static int
 relay_claim(int max_events, TimestampTz now, MemoryContext cxt, RelayItem ***items)
 {
 	int			n;
+	int			save_nestlevel = relay_plan_settings();
 
 	*items = MemoryContextAlloc(cxt, sizeof(RelayItem *) * max_events);
 	n = relay_claim_heads(max_events, now, cxt, *items);
 	n = relay_claim_followers(max_events - n, now, cxt, *items, n);
+	AtEOXact_GUC(true, save_nestlevel);
 	qsort(*items, n, sizeof(RelayItem *), relay_item_cmp);
 	relay_link_chains(*items, n);
 	return n;
@@ -567,6 +597,8 @@ relay_relock(RelayItem **items, int n, bool *any)
 	int			m = 0;
 	Datum		values[3];
 	SPIPlanPtr	plan;
+	int			save_nestlevel;
+	int			rc;
 
 	*any = false;
 	for (int i = 0; i < n; i++)
@@ -583,17 +615,21 @@ relay_relock(RelayItem **items, int n, bool *any)
 	*any = true;
 
 	plan = relay_prepare(&lock_plan,
-						 "SELECT r.n FROM idempotency.deliveries d"
-						 "  JOIN unnest($1::uuid[], $2::int4[], $3::int4[]) WITH ORDINALITY"
-						 "       AS r(event_id, destination_id, attempts, n)"
-						 "    ON d.event_id = r.event_id AND d.destination_id = r.destination_id"
-						 " WHERE d.state = 'pending' AND d.attempts = r.attempts"
-						 "   FOR UPDATE OF d",
+						 "SELECT r.n"
+						 "  FROM unnest($1::uuid[], $2::int4[], $3::int4[]) WITH ORDINALITY"
+						 "       AS r(event_id, destination_id, attempts, n),"
+						 "  LATERAL (SELECT d.state, d.attempts FROM idempotency.deliveries d"
+						 "            WHERE d.event_id = r.event_id AND d.destination_id = r.destination_id"
+						 "            LIMIT 1 FOR UPDATE) x"
+						 " WHERE x.state = 'pending' AND x.attempts = r.attempts",
 						 3, argtypes);
 	values[0] = relay_array(ids, NULL, m, UUIDOID);
 	values[1] = relay_array(dests, NULL, m, INT4OID);
 	values[2] = relay_array(attempts, NULL, m, INT4OID);
-	if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_SELECT)
+	save_nestlevel = relay_plan_settings();
+	rc = SPI_execute_plan(plan, values, NULL, false, 0);
+	AtEOXact_GUC(true, save_nestlevel);
+	if (rc != SPI_OK_SELECT)
 		elog(ERROR, "could not lock claimed outbox deliveries");
 
 	/*
@@ -746,6 +782,8 @@ relay_record(RelayItem **items, int n)
 	Datum		values[10];
 	int			m = 0;
 	SPIPlanPtr	plan;
+	int			save_nestlevel;
+	int			rc;
 
 	for (int c = 0; c < 10; c++)
 		cols[c] = palloc(sizeof(Datum) * n);
@@ -805,6 +843,13 @@ relay_record(RelayItem **items, int n)
 						 "                      $9::bool[], $10::bool[]) WITH ORDINALITY"
 						 "   AS r(event_id, destination_id, attempts, state, at, status, error,"
 						 "        latency_us, interrupted, released, n)),"
+						 " found AS MATERIALIZED ("
+						 " SELECT r.*, x.tid FROM r,"
+						 "   LATERAL (SELECT d.ctid AS tid, d.state AS current_state"
+						 "              FROM idempotency.deliveries d"
+						 "             WHERE d.event_id = r.event_id AND d.destination_id = r.destination_id"
+						 "             LIMIT 1) x"
+						 "  WHERE x.current_state = 'pending'),"
 						 " u AS ("
 						 " UPDATE idempotency.deliveries d"
 						 "    SET state = r.state,"
@@ -817,9 +862,8 @@ relay_record(RelayItem **items, int n)
 						 "                                THEN NULL ELSE d.first_attempt_at END,"
 						 "        last_status = CASE WHEN r.released THEN d.last_status ELSE r.status END,"
 						 "        last_error = CASE WHEN r.released THEN d.last_error ELSE r.error END"
-						 "   FROM r"
-						 "  WHERE d.event_id = r.event_id AND d.destination_id = r.destination_id"
-						 "    AND d.state = 'pending'"
+						 "   FROM found r"
+						 "  WHERE d.ctid = r.tid"
 						 "    AND (r.state = 'delivered' OR d.attempts = r.attempts)"
 						 " RETURNING r.*)"
 						 " INSERT INTO idempotency.destination_stats"
@@ -846,7 +890,10 @@ relay_record(RelayItem **items, int n)
 	values[7] = relay_array(cols[7], NULL, m, INT8OID);
 	values[8] = relay_array(cols[8], NULL, m, BOOLOID);
 	values[9] = relay_array(cols[9], NULL, m, BOOLOID);
-	if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_INSERT)
+	save_nestlevel = relay_plan_settings();
+	rc = SPI_execute_plan(plan, values, NULL, false, 0);
+	AtEOXact_GUC(true, save_nestlevel);
+	if (rc != SPI_OK_INSERT)
 		elog(ERROR, "could not record outbox delivery outcomes");
 }
 
@@ -988,6 +1035,8 @@ relay_next_due(void)
 	RelayStep	step;
 	TimestampTz due = 0;
 	SPIPlanPtr	plan;
+	int			save_nestlevel;
+	int			rc;
 
 	if (RecoveryInProgress())
 		return 0;
@@ -997,10 +1046,15 @@ relay_next_due(void)
 	plan = relay_prepare(&next_due_plan,
 						 "SELECT min(d.next_attempt_at)"
 						 "  FROM idempotency.deliveries d"
-						 "  JOIN idempotency.destinations t ON t.id = d.destination_id"
-						 " WHERE d.state = 'pending' AND NOT t.paused AND t.disabled_at IS NULL",
+						 " WHERE d.state = 'pending'"
+						 "   AND d.destination_id = ANY (ARRAY("
+						 "        SELECT t.id FROM idempotency.destinations t"
+						 "         WHERE NOT t.paused AND t.disabled_at IS NULL))",
 						 0, NULL);
-	if (SPI_execute_plan(plan, NULL, NULL, true, 1) != SPI_OK_SELECT)
+	save_nestlevel = relay_plan_settings();
+	rc = SPI_execute_plan(plan, NULL, NULL, true, 1);
+	AtEOXact_GUC(true, save_nestlevel);
+	if (rc != SPI_OK_SELECT)
 		elog(ERROR, "could not read the outbox schedule");
 	if (SPI_processed == 1)
 		due = DatumGetTimestampTz(spi_value(SPI_tuptable->vals[0], 1, TimestampTzGetDatum(0)));
@@ -1015,11 +1069,16 @@ cleanup_batch(SPIPlanPtr *plan, const char *sql, TimestampTz cutoff, int batch)
 	Oid			argtypes[2] = {TIMESTAMPTZOID, INT4OID};
 	Datum		values[2];
 	int			rc;
+	int			save_nestlevel = NewGUCNestLevel();
 
+	/* As for the claim: compiling would cost more than the statement. */
+	(void) set_config_option("jit", "off", PGC_USERSET, PGC_S_SESSION,
+							 GUC_ACTION_SAVE, true, 0, false);
 	relay_prepare(plan, sql, 2, argtypes);
 	values[0] = TimestampTzGetDatum(cutoff);
 	values[1] = Int32GetDatum(batch);
 	rc = SPI_execute_plan(*plan, values, NULL, false, 0);
+	AtEOXact_GUC(true, save_nestlevel);
 	if (rc != SPI_OK_DELETE)
 		elog(ERROR, "outbox cleanup failed: %s", SPI_result_code_string(rc));
 	return SPI_processed;

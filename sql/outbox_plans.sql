@@ -1,0 +1,76 @@
+--
+-- The relay's statements reach each claimed delivery through an index or
+-- its TID, whatever the planner statistics say.  Statistics taken while the
+-- outbox was idle (here: ANALYZE when every row is dead) describe the
+-- deliveries as an empty table; a burst then arrives, and a plan chosen for
+-- an empty table could read the whole backlog once per claimed row -- a
+-- pass over 200 deliveries of a 2000-row backlog would read some 400,000
+-- rows.  The rows a pass reads are counted in pg_stat_xact_user_tables, in
+-- the pass's own transaction, so the test needs no timing.
+--
+CREATE TABLE plan_sink (event_id uuid);
+CREATE FUNCTION plan_sink(event jsonb) RETURNS void LANGUAGE sql AS $$
+	INSERT INTO plan_sink VALUES ((event->>'id')::uuid)
+$$;
+SELECT idem_destination_create('plans', 'function', 'plan_sink(jsonb)', '{plans}');
+-- Autovacuum must not refresh the statistics behind the test's back.
+ALTER TABLE idempotency.deliveries SET (autovacuum_enabled = off);
+ALTER TABLE idempotency.outbox SET (autovacuum_enabled = off);
+
+-- An idle outbox: 2000 events delivered and removed, the rows dead but
+-- still on their pages, and ANALYZE sees none alive.
+SELECT count(idem_publish('plans', jsonb_build_object('n', g))) FROM generate_series(1, 2000) g;
+SELECT idem_outbox_relay(2000);
+SET idempotency.outbox_retention = 0;
+SELECT idem_outbox_cleanup(10000);
+RESET idempotency.outbox_retention;
+ANALYZE idempotency.deliveries, idempotency.outbox;
+SELECT reltuples, relpages > 0 AS has_pages FROM pg_class
+ WHERE oid IN ('idempotency.deliveries'::regclass, 'idempotency.outbox'::regclass) ORDER BY relname;
+
+-- The pass's reads of each table: the difference of
+-- pg_stat_xact_user_tables across the pass, within one transaction (the
+-- view also holds earlier transactions' counts not yet reported).
+CREATE FUNCTION pass_reads(max_events int, OUT relname name, OUT seq_tup_read bigint,
+						   OUT idx_tup_fetch bigint, OUT attempted bigint)
+RETURNS SETOF record LANGUAGE plpgsql AS $$
+BEGIN
+	CREATE TEMP TABLE reads_before AS
+		SELECT s.relid, s.seq_tup_read, s.idx_tup_fetch FROM pg_stat_xact_user_tables s;
+	attempted := idem_outbox_relay(max_events);
+	RETURN QUERY
+		SELECT a.relname, a.seq_tup_read - b.seq_tup_read, a.idx_tup_fetch - b.idx_tup_fetch, attempted
+		  FROM pg_stat_xact_user_tables a JOIN reads_before b USING (relid)
+		 WHERE a.relid IN ('idempotency.deliveries'::regclass, 'idempotency.outbox'::regclass)
+		 ORDER BY a.relname;
+	DROP TABLE reads_before;
+END $$;
+
+-- A burst of 2000 events without keys: a pass of 200 reads a few rows per
+-- delivery (a bad plan: some 400,000).
+SELECT count(idem_publish('plans', jsonb_build_object('n', g))) FROM generate_series(1, 2000) g;
+SELECT relname, seq_tup_read, idx_tup_fetch < 200 * 10 AS bounded_by_the_pass, attempted
+  FROM pass_reads(200);
+
+-- The same statistics again (an idle outbox), then a burst over ten keys: a
+-- pass claims the head of each key, then the deliveries that follow the
+-- heads.  Finding the heads reads the due backlog once, so the bound is the
+-- backlog plus the pass, not their product.
+SELECT idem_outbox_relay(2000);
+SET idempotency.outbox_retention = 0;
+SELECT idem_outbox_cleanup(10000);
+RESET idempotency.outbox_retention;
+ANALYZE idempotency.deliveries, idempotency.outbox;
+SELECT count(idem_publish('plans', jsonb_build_object('n', g), 'k' || g % 10))
+  FROM generate_series(1, 2000) g;
+SELECT relname, seq_tup_read, idx_tup_fetch < (2000 + 200) * 5 AS bounded_by_backlog_and_pass, attempted
+  FROM pass_reads(200);
+SELECT count(*) AS delivered FROM plan_sink;
+
+ALTER TABLE idempotency.deliveries RESET (autovacuum_enabled);
+ALTER TABLE idempotency.outbox RESET (autovacuum_enabled);
+SELECT idem_destination_drop('plans');
+TRUNCATE idempotency.outbox, idempotency.deliveries;
+DROP TABLE plan_sink;
+DROP FUNCTION pass_reads(int);
+DROP FUNCTION plan_sink(jsonb);

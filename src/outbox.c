@@ -62,6 +62,7 @@ int			relay_batch_size = 1000;
 int			relay_max_in_flight = 64;
 int			outbox_max_event_bytes = 1024 * 1024;
 int			relay_visibility_margin = 30000;
+int			relay_workers = 1;
 
 /* Set by idem_publish (and the operator functions): wake the relay at commit. */
 static bool wake_at_commit = false;
@@ -140,6 +141,13 @@ OutboxInit(void)
 							&relay_visibility_margin,
 							30000, 0, INT_MAX,
 							PGC_SUSET, GUC_UNIT_MS,
+							NULL, NULL, NULL);
+	DefineCustomIntVariable("idempotency.relay_workers",
+							"Most relay processes per database while a backlog lasts.",
+							"The worker starts helpers when a pass claims a full batch; they exit once the backlog is gone.",
+							&relay_workers,
+							1, 1, RELAY_MAX_WORKERS,
+							PGC_SIGHUP, 0,
 							NULL, NULL, NULL);
 	DefineCustomIntVariable("idempotency.max_event_bytes",
 							"Largest event idem_publish accepts, payload and headers together.",

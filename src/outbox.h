@@ -73,6 +73,10 @@ extern int	relay_batch_size;
 extern int	relay_max_in_flight;
 extern int	outbox_max_event_bytes;
 extern int	relay_visibility_margin;
+extern int	relay_workers;
+
+/* Most relay processes per database (idempotency.relay_workers). */
+#define RELAY_MAX_WORKERS	16
 
 /* Running SQL as the extension's owner, with a safe search_path. */
 typedef struct OutboxOwnerState

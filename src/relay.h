@@ -46,6 +46,15 @@ extern TimestampTz relay_next_due(void);
 extern int64 outbox_cleanup(int batch);
 
 /*
+ * Start relay helpers in the current database until idempotency.relay_workers
+ * relay processes run, the caller included; the worker calls it after a pass
+ * that claimed a full batch.  Defined in relay_helpers.c, with the helpers'
+ * entry point.
+ */
+extern void relay_start_helpers(const char *dbname);
+extern PGDLLEXPORT void idem_relay_helper_main(Datum main_arg);
+
+/*
  * Wake the relay of database dbid.  Called at commit (XACT_EVENT_COMMIT,
  * once per transaction) by every transaction that published an event for
  * some destination, redrove dead letters or resumed a destination.  It runs

@@ -738,20 +738,29 @@ worker_pass(void)
 /*
  * Deliver the outbox's due events, a batch per pass, for at most
  * RELAY_SLICE_MS so that cleanup gets its turn; returns when the relay next
- * has work (now, if the slice ran out), or 0 if nothing is scheduled.
+ * has work, or 0 if nothing is scheduled.  *more says the slice ran out
+ * with work left: the worker must come back at once, without a nap.
  */
 static TimestampTz
-worker_relay(void)
+worker_relay(bool *more)
 {
 	TimestampTz start = GetCurrentTimestamp();
+	int64		attempted;
 
-	while (relay_run(relay_batch_size) > 0)
+	while ((attempted = relay_run(relay_batch_size)) > 0)
 	{
+		/* A full batch: there is a backlog, which helpers share. */
+		if (attempted >= relay_batch_size && relay_workers > 1)
+			relay_start_helpers(worker_dbname);
 		CHECK_FOR_INTERRUPTS();
 		worker_reload_if_pending();
 		if (TimestampDifferenceExceeds(start, GetCurrentTimestamp(), RELAY_SLICE_MS))
+		{
+			*more = true;
 			return GetCurrentTimestamp();
+		}
 	}
+	*more = false;
 	return relay_next_due();
 }
 
@@ -797,6 +806,7 @@ idem_worker_main(Datum main_arg)
 		TimestampTz now;
 		TimestampTz next;
 		TimestampTz relay_due = 0;
+		bool		relay_more = false;
 		long		timeout;
 
 		CHECK_FOR_INTERRUPTS();
@@ -804,7 +814,7 @@ idem_worker_main(Datum main_arg)
 
 		/* The outbox first: a publishing commit set our latch. */
 		if (!RecoveryInProgress())
-			relay_due = worker_relay();
+			relay_due = worker_relay(&relay_more);
 
 		now = GetCurrentTimestamp();
 		next = TimestampTzPlusMilliseconds(last_pass, (int64) idem_cleanup_interval * 1000);
@@ -820,6 +830,9 @@ idem_worker_main(Datum main_arg)
 			}
 			continue;
 		}
+		/* The slice ran out with deliveries left: no nap. */
+		if (relay_more)
+			continue;
 
 		timeout = TimestampDifferenceMilliseconds(now, next);
 		if (relay_due != 0)

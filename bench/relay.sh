@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Relay benchmark: how many events per second the outbox relay delivers
 # through 'function', 'notify' and 'http' destinations, with the HTTP figure
-# set against what wrk gets from the same local nginx answering 204.
+# set against what wrk gets from the same local nginx answering 204, and
+# against what libcurl alone gets in as many processes (bench/curl_floor.c:
+# the relay's requests without any database work).
 #
 #   bash bench/relay.sh                          # about 2-3 minutes
 #   BENCH_EVENTS=20000 BENCH_ROUNDS=1 bash bench/relay.sh   # smoke run
@@ -9,16 +11,15 @@
 # Runs as root: installs nginx-light and wrk if missing (Debian packages),
 # then runs PostgreSQL, nginx and wrk as the unprivileged user "postgres" on
 # loopback ports, in a temp dir removed at the end.  Needs the extension
-# installed (PG_BINDIR selects another installation's bin directory).
+# installed (PG_BINDIR selects another installation's bin directory) and a C
+# compiler with libcurl's headers (scripts/deps.sh installs both).
 #
 # Each measurement publishes BENCH_EVENTS events (1000 per transaction, the
-# publish rate is reported too), then times how long the relay takes to
-# deliver all of them:
-#   worker  relay_run() as the background worker calls it, in its own
-#           transactions (through the harness idem_relay_harness(),
-#           src/relay_harness.c), batches of idempotency.relay_batch_size
-#   sql     SELECT idem_outbox_relay(1000) repeatedly, one transaction each
-# The HTTP destination and wrk use the same number of concurrent requests
+# publish rate is reported too) to a paused destination, resumes it, and
+# times how long the background worker takes to deliver all of them, with
+# idempotency.relay_workers at 1 (the worker alone) and 2 (the worker and a
+# helper it starts for the backlog).  The HTTP destination, wrk and
+# curl_floor use the same number of concurrent requests
 # (idempotency.relay_max_in_flight, wrk -c) and the same body and headers.
 # Measurements alternate within each of BENCH_ROUNDS rounds, so load that
 # comes and goes on a shared machine hits both sides of a ratio alike.
@@ -30,6 +31,7 @@ WRK_SECS=${BENCH_WRK_SECONDS:-8}
 IN_FLIGHT=${BENCH_IN_FLIGHT:-64}
 BIN=${PG_BINDIR:-/usr/lib/postgresql/15/bin}
 PORT=${BENCH_PORT:-5760}
+HERE=$(cd "$(dirname "$0")" && pwd)
 
 [ "$(id -u)" -eq 0 ] || { echo "run as root (the servers run as user postgres)" >&2; exit 1; }
 [ -x "$BIN/postgres" ] || { echo "$BIN/postgres not found: install postgresql-15" >&2; exit 1; }
@@ -117,6 +119,7 @@ wrk.headers["webhook-timestamp"] = "1800000000"
 wrk.headers["webhook-signature"] = "v1,K5oZfzN95Z9UVu1EsfQmfVNQhnkZ2pj9o9NDN/H/pI4="
 wrk.headers["User-Agent"] = "idempotency-relay/1.1"
 EOF
+cc -O2 -o "$WORK/curl_floor" "$HERE/curl_floor.c" -lcurl
 chown -R postgres: "$WORK"
 as_pg nginx -c "$WORK/nginx/nginx.conf" -p "$WORK/nginx" -e "$WORK/nginx/error.log"
 NGINX_STARTED=1
@@ -136,6 +139,8 @@ shared_buffers = 256MB
 max_wal_size = 8GB
 checkpoint_timeout = 30min
 log_min_messages = warning
+idempotency.databases = 'postgres'
+idempotency.cleanup_interval = '1h'   # the worker relays; cleanup runs at its start only
 idempotency.relay_max_in_flight = $IN_FLIGHT
 EOF
 as_pg "$BIN/pg_ctl" -D "$DATA" -l "$WORK/server.log" -w start >/dev/null \
@@ -146,8 +151,6 @@ sql() { as_pg "$BIN/psql" -X -q -At -v ON_ERROR_STOP=1 -h "$WORK" -p "$PORT" -U 
 
 sql <<EOF
 CREATE EXTENSION idempotency;
-CREATE FUNCTION idem_relay_harness(max_events int, max_passes int) RETURNS bigint
-	AS 'idempotency', 'idem_relay_harness' LANGUAGE C STRICT;
 -- What a function destination typically does: write the event elsewhere.
 CREATE TABLE inbox (event_id uuid PRIMARY KEY, topic text, payload jsonb);
 CREATE FUNCTION to_inbox(event jsonb) RETURNS void LANGUAGE sql AS \$\$
@@ -159,18 +162,24 @@ SELECT idem_destination_create('hook', 'http', 'http://127.0.0.1:$HTTP_PORT/hook
 	'{"secret": "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"}');
 EOF
 
+worker_up() { sql -c "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'idempotency cleanup'"; }
+for _ in $(seq 50); do [ "$(worker_up)" = 1 ] && break; sleep 0.2; done
+[ "$(worker_up)" = 1 ] || { echo "the idempotency worker is not running" >&2; exit 1; }
+
 LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
 
 now() { date +%s.%N; }
 
-# publish TOPIC: EVENTS events, 1000 per transaction; prints seconds.
+# publish DEST: EVENTS events to destination DEST, paused first, 1000 per
+# transaction; prints seconds.
 publish() {
 	local t0 t1
+	sql >/dev/null -c "SELECT idem_destination_pause('$1')"
 	t0=$(now)
 	sql >/dev/null -c "DO \$\$
 		BEGIN
 			FOR i IN 1 .. ceil($EVENTS / 1000.0) LOOP
-				PERFORM idem_publish('$1', jsonb_build_object('order', 100000 + g, 'amount', 10, 'currency', 'EUR'))
+				PERFORM idem_publish('$1.created', jsonb_build_object('order', 100000 + g, 'amount', 10, 'currency', 'EUR'))
 				   FROM generate_series(1, least(1000, $EVENTS - (i - 1) * 1000)) g;
 				COMMIT;
 			END LOOP;
@@ -185,26 +194,36 @@ settle() {
 	sql -c "VACUUM ANALYZE idempotency.outbox, idempotency.deliveries, idempotency.destination_stats" -c "CHECKPOINT" >/dev/null
 }
 
-# drain PATH: deliver everything pending; prints "seconds attempted".
+# relay_workers N: set idempotency.relay_workers; the idle worker rereads it at once.
+relay_workers() {
+	sql -c "ALTER SYSTEM SET idempotency.relay_workers = $1" -c "SELECT pg_reload_conf()" >/dev/null
+	sleep 0.5
+}
+
+# drain DEST: resume DEST and wait (polling every 5 ms in one session) until
+# the worker has delivered all EVENTS events; prints seconds.
 drain() {
-	local t0 t1 n
-	t0=$(now)
-	if [ "$1" = worker ]; then
-		n=$(sql -c "SELECT idem_relay_harness(1000, 1000000)")
-	else
-		n=$(sql -c "DO \$\$ DECLARE n bigint; total bigint := 0;
-			BEGIN
-				LOOP
-					n := idem_outbox_relay(1000);
-					EXIT WHEN n = 0;
-					total := total + n;
-					COMMIT;
-				END LOOP;
-				RAISE NOTICE 'attempted %', total;
-			END \$\$" 2>&1 | sed -n 's/.*attempted \([0-9]*\).*/\1/p')
-	fi
-	t1=$(now)
-	echo "$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", b - a }') $n"
+	sql -c "DO \$\$
+		DECLARE
+			t0 timestamptz;
+			base bigint;
+		BEGIN
+			SELECT coalesce(sum(s.delivered), 0) INTO base
+			  FROM idempotency.destination_stats s JOIN idempotency.destinations t ON t.id = s.destination_id
+			 WHERE t.name = '$1';
+			PERFORM idem_destination_resume('$1');
+			COMMIT;    -- the commit wakes the worker
+			t0 := clock_timestamp();
+			WHILE (SELECT coalesce(sum(s.delivered), 0)
+			         FROM idempotency.destination_stats s JOIN idempotency.destinations t ON t.id = s.destination_id
+			        WHERE t.name = '$1') < base + $EVENTS LOOP
+				IF clock_timestamp() - t0 > interval '10 minutes' THEN
+					RAISE EXCEPTION 'not delivered after 10 minutes';
+				END IF;
+				PERFORM pg_sleep(0.005);
+			END LOOP;
+			RAISE NOTICE 'seconds %', extract(epoch FROM clock_timestamp() - t0);
+		END \$\$" 2>&1 | sed -n 's/.*seconds \([0-9.]*\).*/\1/p'
 }
 
 check_delivered() {
@@ -219,24 +238,25 @@ add() { # add KEY SECONDS COUNT
 	COUNT[$1]=$(( ${COUNT[$1]:-0} + $3 ))
 }
 
-# measure KIND PATH: publish to KIND's destination, drain through PATH.
+# measure DEST WORKERS: publish to DEST, deliver with WORKERS relay processes.
 measure() {
-	local kind=$1 path=$2 ps s n
+	local dest=$1 workers=$2 ps s
 	settle
-	ps=$(publish "$kind.created")
+	relay_workers "$workers"
+	ps=$(publish "$dest")
 	add publish "$ps" "$EVENTS"
-	read -r s n < <(drain "$path")
+	s=$(drain "$dest")
+	[ -n "$s" ] || { echo "!! $dest: delivery did not finish" >&2; exit 1; }
 	check_delivered
-	[ "$n" = "$EVENTS" ] || { echo "!! $kind/$path attempted $n deliveries, expected $EVENTS" >&2; exit 1; }
-	add "$kind-$path" "$s" "$n"
+	add "$dest-w$workers" "$s" "$EVENTS"
 	printf '   %-8s %-6s %7d events in %6.2fs: %8.0f events/s   (published at %.0f events/s)\n' \
-		"$kind" "$path" "$n" "$s" "$(awk -v n="$n" -v s="$s" 'BEGIN { print n / s }')" \
+		"$dest" "w$workers" "$EVENTS" "$s" "$(awk -v n="$EVENTS" -v s="$s" 'BEGIN { print n / s }')" \
 		"$(awk -v n="$EVENTS" -v s="$ps" 'BEGIN { print n / s }')"
 }
 
 # wrk against the same nginx, IN_FLIGHT connections.
 run_wrk() {
-	local threads=$1 out req
+	local threads=$1 out req n s
 	out=$(as_pg wrk -t"$threads" -c"$IN_FLIGHT" -d"${WRK_SECS}s" -s "$WORK/nginx/post.lua" \
 		"http://127.0.0.1:$HTTP_PORT/hook")
 	req=$(echo "$out" | sed -n 's/^ *\([0-9]*\) requests in \([0-9.]*\)s.*/\1 \2/p')
@@ -246,36 +266,65 @@ run_wrk() {
 		"$(awk -v n="$n" -v s="$s" 'BEGIN { print n / s }')"
 }
 
+# libcurl alone, as the relay uses it, in PROCS processes at once (as many
+# as relay processes), each sending as many requests as a measurement has
+# events; the rate is all requests over the time until the last one is done.
+run_floor() {
+	local procs=$1 t0 t1 s n=$((EVENTS * $1))
+	t0=$(now)
+	for ((p = 0; p < procs; p++)); do
+		as_pg "$WORK/curl_floor" "http://127.0.0.1:$HTTP_PORT/hook" "$EVENTS" "$IN_FLIGHT" >/dev/null &
+	done
+	wait
+	t1=$(now)
+	s=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", b - a }')
+	add "floor-p$procs" "$s" "$n"
+	printf '   %-8s %-6s %7d requests in %6.2fs: %8.0f requests/s\n' "libcurl" "x$procs" "$n" "$s" \
+		"$(awk -v n="$n" -v s="$s" 'BEGIN { print n / s }')"
+}
+
 echo "relay benchmark: $EVENTS events per measurement, $ROUNDS rounds, $IN_FLIGHT requests in flight"
 echo "PostgreSQL $(sql -c 'SHOW server_version' | cut -d' ' -f1), $(nproc) cores, load average at start: $LOAD_START"
 for ((round = 1; round <= ROUNDS; round++)); do
 	echo "== round $round"
 	if ((round % 2)); then
-		measure hook worker; run_wrk 1; run_wrk 2
+		measure hook 1; measure hook 2; run_floor 1; run_floor 2; run_wrk 1; run_wrk 2
 	else
-		run_wrk 2; run_wrk 1; measure hook worker
+		run_wrk 2; run_wrk 1; run_floor 2; run_floor 1; measure hook 2; measure hook 1
 	fi
-	measure fn worker
-	measure fn sql
-	measure chan worker
-	measure chan sql
+	measure fn 1
+	measure fn 2
+	measure chan 1
+	measure chan 2
 done
 
 rate() { awk -v n="${COUNT[$1]}" -v s="${SECS[$1]}" 'BEGIN { printf "%.0f", n / s }'; }
-FN=$(rate fn-worker)
-HTTP=$(rate hook-worker)
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a / b }'; }
+HTTP1=$(rate hook-w1)
+HTTP2=$(rate hook-w2)
+FLOOR1=$(rate floor-p1)
+FLOOR2=$(rate floor-p2)
 WRK1=$(rate wrk-t1)
 WRK2=$(rate wrk-t2)
 echo
 echo "== summary (all rounds; load average at end: $(cut -d' ' -f1-3 /proc/loadavg))"
-printf '%-44s %10s  %s\n' "measurement" "events/s" "note"
-printf '%-44s %10s  %s\n' "publish (idem_publish, 1000 per transaction)" "$(rate publish)" ""
-printf '%-44s %10s  %s\n' "function destination, worker path" "$FN" "target >= 10000"
-printf '%-44s %10s  %s\n' "function destination, idem_outbox_relay()" "$(rate fn-sql)" ""
-printf '%-44s %10s  %s\n' "notify destination, worker path" "$(rate chan-worker)" "target >= 10000"
-printf '%-44s %10s  %s\n' "notify destination, idem_outbox_relay()" "$(rate chan-sql)" ""
-printf '%-44s %10s  %s\n' "http destination (nginx 204), worker path" "$HTTP" ""
-printf '%-44s %10s  %s\n' "wrk -t1 -c$IN_FLIGHT, same nginx" "$WRK1" "requests/s"
-printf '%-44s %10s  %s\n' "wrk -t2 -c$IN_FLIGHT, same nginx" "$WRK2" "requests/s"
-printf '%-44s %10s  %s\n' "ratio http / wrk -t1" "$(awk -v a="$HTTP" -v b="$WRK1" 'BEGIN { printf "%.2f", a / b }')" "target >= 0.5"
-printf '%-44s %10s  %s\n' "ratio http / wrk -t2" "$(awk -v a="$HTTP" -v b="$WRK2" 'BEGIN { printf "%.2f", a / b }')" "target >= 0.5"
+line() { printf '%-52s %10s  %s\n' "$@"; }
+line "measurement" "events/s" "note"
+line "publish (idem_publish, 1000 per transaction)" "$(rate publish)" ""
+line "function destination, relay_workers = 1" "$(rate fn-w1)" "target >= 10000"
+line "function destination, relay_workers = 2" "$(rate fn-w2)" "target >= 10000"
+line "notify destination, relay_workers = 1" "$(rate chan-w1)" "target >= 10000"
+line "notify destination, relay_workers = 2" "$(rate chan-w2)" "target >= 10000"
+line "http destination (nginx 204), relay_workers = 1" "$HTTP1" ""
+line "http destination (nginx 204), relay_workers = 2" "$HTTP2" ""
+line "libcurl alone (bench/curl_floor.c), 1 process" "$FLOOR1" "requests/s, no database work"
+line "libcurl alone (bench/curl_floor.c), 2 processes" "$FLOOR2" "requests/s, no database work"
+line "wrk -t1 -c$IN_FLIGHT, same nginx" "$WRK1" "requests/s"
+line "wrk -t2 -c$IN_FLIGHT, same nginx" "$WRK2" "requests/s"
+line "ratio http (2 workers) / wrk -t1" "$(ratio "$HTTP2" "$WRK1")" "target >= 0.5"
+line "ratio http (2 workers) / wrk -t2" "$(ratio "$HTTP2" "$WRK2")" "target >= 0.5"
+line "ratio http (1 worker) / wrk -t1" "$(ratio "$HTTP1" "$WRK1")" ""
+line "ratio libcurl alone, 1 process / wrk -t1" "$(ratio "$FLOOR1" "$WRK1")" ""
+line "ratio libcurl alone, 2 processes / wrk -t1" "$(ratio "$FLOOR2" "$WRK1")" ""
+line "ratio http (1 worker) / libcurl, 1 process" "$(ratio "$HTTP1" "$FLOOR1")" ""
+line "ratio http (2 workers) / libcurl, 2 processes" "$(ratio "$HTTP2" "$FLOOR2")" ""

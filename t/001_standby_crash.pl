@@ -4,9 +4,13 @@
 use strict;
 use warnings;
 
+use FindBin;
+use lib $FindBin::RealBin;
+
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+use CrashRecovery;
 
 my $primary = PostgreSQL::Test::Cluster->new('primary');
 $primary->init(allows_streaming => 1);
@@ -76,10 +80,11 @@ $primary->poll_query_until('postgres',
 	q{SELECT count(*) = 1 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 7648 AND NOT granted})
   or die 'the duplicate never waited for the claim';
 
+my $offset = log_offset($primary);
 kill 'KILL', $pid;
 $victim->{run}->kill_kill;
 $waiter->{run}->kill_kill;
-$primary->poll_query_until('postgres', 'SELECT true') or die 'server did not come back';
+wait_for_crash_recovery($primary, $offset);
 ok($primary->log_contains('terminated by signal 9'), 'the server went through crash recovery');
 
 is($primary->safe_psql('postgres', q{SELECT count(*) FROM payments WHERE k = 'k3'}),

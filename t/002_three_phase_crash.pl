@@ -29,9 +29,13 @@
 use strict;
 use warnings;
 
+use FindBin;
+use lib $FindBin::RealBin;
+
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+use CrashRecovery;
 use Time::HiRes qw(sleep);
 
 my $SCOPE = 'shop-1:POST /orders';
@@ -81,14 +85,11 @@ sub provider_charge
 sub crash
 {
 	my ($app, $pid) = @_;
-	my $offset = -s $node->logfile;
+	my $offset = log_offset($node);
 
 	kill 'KILL', $pid;
 	$app->{run}->kill_kill;
-	$node->wait_for_log(qr/all server processes terminated; reinitializing/, $offset);
-	$node->wait_for_log(qr/database system is ready to accept connections/, $offset);
-	$node->poll_query_until('postgres', 'SELECT true')
-	  or die 'the server did not come back';
+	wait_for_crash_recovery($node, $offset);
 	$crashes++;
 }
 

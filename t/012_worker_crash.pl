@@ -4,9 +4,13 @@
 use strict;
 use warnings;
 
+use FindBin;
+use lib $FindBin::RealBin;
+
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+use CrashRecovery;
 
 my $node = PostgreSQL::Test::Cluster->new('main');
 $node->init;
@@ -54,6 +58,7 @@ for (my $i = 0; $i < 20000 && $pid eq ''; $i++)
 isnt($pid, '', 'caught the worker inside a batch');
 my $expired_at_kill = $watch->query_safe(
 	q{SELECT count(*) FROM idempotency.records WHERE expires_at < now()});
+my $offset = log_offset($node);
 kill 'KILL', $pid;
 $watch->{run}->kill_kill;
 chomp $expired_at_kill;
@@ -61,7 +66,7 @@ cmp_ok($expired_at_kill, '>', 0, "the backlog was not done at the kill ($expired
 cmp_ok($expired_at_kill, '<', 400000, 'and some batches had committed');
 
 # Crash recovery, then the launcher starts the worker again and it finishes.
-$node->poll_query_until('postgres', 'SELECT true') or die 'the server did not come back';
+wait_for_crash_recovery($node, $offset);
 ok($node->log_contains(qr/background worker "idempotency cleanup" \(PID $pid\) was terminated by signal 9/),
 	'the server went through crash recovery');
 $node->poll_query_until('postgres',

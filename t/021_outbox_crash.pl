@@ -22,6 +22,7 @@ use lib $FindBin::RealBin;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+use CrashRecovery;
 use Time::HiRes qw(time sleep);
 use WebhookSink;
 
@@ -68,9 +69,10 @@ sub start_relay
 sub crash
 {
 	my ($session, $pid) = @_;
+	my $offset = log_offset($node);
 	kill 'KILL', $pid;
 	$session->{run}->kill_kill;
-	$node->poll_query_until('postgres', 'SELECT true') or die 'server did not come back';
+	wait_for_crash_recovery($node, $offset);
 }
 
 # ---- HTTP: ten in flight when the relay dies.

@@ -25,6 +25,7 @@ use lib $FindBin::RealBin;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+use CrashRecovery;
 use Time::HiRes qw(time sleep);
 use WebhookSink;
 
@@ -78,9 +79,10 @@ sub crash_worker
 	my $pid = $node->safe_psql('postgres',
 		"SELECT pid FROM pg_stat_activity WHERE backend_type = 'idempotency relay harness'");
 	die 'no harness worker running' unless $pid;
+	my $offset = log_offset($node);
 	kill 'KILL', $pid;
 	$caller->{run}->kill_kill;
-	$node->poll_query_until('postgres', 'SELECT true') or die 'server did not come back';
+	wait_for_crash_recovery($node, $offset);
 	return $pid;
 }
 

@@ -6,9 +6,13 @@
 use strict;
 use warnings;
 
+use FindBin;
+use lib $FindBin::RealBin;
+
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+use CrashRecovery;
 use Time::HiRes qw(time);
 
 my $node = PostgreSQL::Test::Cluster->new('relay');
@@ -64,8 +68,9 @@ my $pid = $node->safe_psql('postgres',
 $node->safe_psql('postgres', q{
 	SELECT idem_publish('orders.created', jsonb_build_object('order', 100 + g)) FROM generate_series(1, 50) g;
 });
+my $offset = log_offset($node);
 kill 'KILL', $pid;
-$node->poll_query_until('postgres', 'SELECT true') or die 'server did not come back';
+wait_for_crash_recovery($node, $offset);
 $node->safe_psql('postgres', q{
 	SELECT idem_publish('orders.created', jsonb_build_object('order', 200 + g)) FROM generate_series(1, 50) g;
 });

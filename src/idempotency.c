@@ -17,6 +17,7 @@
 #include "inbox.h"
 #include "outbox.h"
 #include "records.h"
+#include "relay.h"
 #include "stats.h"
 #include "worker.h"
 
@@ -25,7 +26,8 @@ PG_MODULE_MAGIC;
 void		_PG_init(void);
 
 /*
- * Load-time setup: GUCs, transaction callbacks, cache invalidation and, when
+ * Load-time setup: GUCs, transaction callbacks, cache invalidation, the
+ * utility hook that wakes the relay after COMMIT PREPARED and, when
  * preloaded, shared memory and the cleanup launcher.
  */
 void
@@ -37,5 +39,6 @@ _PG_init(void)
 	StatsInit();
 	WorkerInit();
 	OutboxInit();
+	RelayWakeupInit();
 	MarkGUCPrefixReserved("idempotency");
 }

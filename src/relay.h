@@ -63,4 +63,10 @@ extern PGDLLEXPORT void idem_relay_helper_main(Datum main_arg);
  */
 extern void WorkerWakeRelay(Oid dbid);
 
+/*
+ * Install the hook that wakes the relay after COMMIT PREPARED (a prepared
+ * publisher's commit); called once from _PG_init.  In relay_wakeup.c.
+ */
+extern void RelayWakeupInit(void);
+
 #endif							/* IDEM_RELAY_H */

@@ -22,6 +22,7 @@ shared_preload_libraries = 'idempotency'
 idempotency.databases = 'postgres'
 idempotency.cleanup_interval = '1h'
 restart_after_crash = on
+max_prepared_transactions = 2
 });
 $node->start;
 $node->safe_psql('postgres', q{
@@ -83,6 +84,24 @@ is($node->safe_psql('postgres', q{SELECT count(*) - count(DISTINCT event_id) FRO
 is($node->safe_psql('postgres',
 		q{SELECT count(*) FROM idempotency.deliveries WHERE state <> 'delivered'}),
 	'0', 'no delivery left pending');
+
+# A publisher that prepares its transaction cannot wake the relay when it
+# is committed later, from another session: COMMIT PREPARED does.  Without
+# that the event would wait for the next cleanup pass, an hour away.
+$node->safe_psql('postgres', q{
+	BEGIN;
+	SELECT idem_publish('orders.created', '{"order": 300}');
+	PREPARE TRANSACTION 'publisher';
+});
+sleep 1;
+is($node->safe_psql('postgres', q{SELECT count(*) FROM received WHERE payload = '{"order": 300}'}),
+	'0', 'nothing is delivered while the publishing transaction is prepared');
+$t0 = time;
+$node->safe_psql('postgres', q{COMMIT PREPARED 'publisher'});
+$node->poll_query_until('postgres', q{SELECT count(*) = 1 FROM received WHERE payload = '{"order": 300}'})
+  or die 'the event of the prepared transaction was not delivered';
+$latency = time - $t0;
+cmp_ok($latency, '<', 5, "delivered ${latency}s after COMMIT PREPARED");
 
 $node->stop;
 done_testing();

@@ -319,7 +319,10 @@ relay_item_cmp(const void *a, const void *b)
  * a lookup by key in a LATERAL subquery with LIMIT 1, which the planner can
  * only run as an index lookup per row.  Plain joins would let it pick, on
  * statistics taken while the outbox was small or idle, a plan that reads the
- * whole table for every claimed row.
+ * whole table for every claimed row.  A head that another transaction
+ * updated between the statement's snapshot and picked's lock is locked but
+ * not updated (picked returns the newest version's TID, which the UPDATE's
+ * snapshot cannot see): it is skipped for this pass, never claimed twice.
  */
 #define CLAIM_UPDATE \
 	" , deadline AS MATERIALIZED (" \
@@ -768,10 +771,15 @@ relay_call_function(RelayItem *it, MemoryContext cxt)
  * counts to each destination's counters (a row of increments, which no
  * other relay waits for).  A failure is rescheduled with
  * exponential backoff and full jitter, or dead after max_attempts; a result
- * is recorded only while the claim stands (a success always is).
+ * is recorded only while the claim stands, a success even after another
+ * relay took the delivery over.  Each row is found by key at the
+ * statement's snapshot and updated by TID: a row that another relay updates
+ * meanwhile (an HTTP delivery is not locked between claim and record) is
+ * left alone.  The successes left alone so are returned in missed (which
+ * may be items itself), for the caller to record again with a new snapshot.
  */
-static void
-relay_record(RelayItem **items, int n)
+static int
+relay_record(RelayItem **items, int n, RelayItem **missed)
 {
 	Oid			argtypes[10] = {UUIDARRAYOID, INT4ARRAYOID, INT4ARRAYOID, TEXTARRAYOID,
 		TIMESTAMPTZARRAYOID, INT4ARRAYOID, TEXTARRAYOID, INT8ARRAYOID, BOOLARRAYOID,
@@ -780,7 +788,10 @@ relay_record(RelayItem **items, int n)
 	bool	   *status_nulls = palloc(sizeof(bool) * n);
 	bool	   *error_nulls = palloc(sizeof(bool) * n);
 	Datum		values[10];
+	RelayItem **mine = palloc(sizeof(RelayItem *) * n);
+	bool	   *recorded;
 	int			m = 0;
+	int			nmissed = 0;
 	SPIPlanPtr	plan;
 	int			save_nestlevel;
 	int			rc;
@@ -831,10 +842,10 @@ relay_record(RelayItem **items, int n)
 		cols[7][m] = Int64GetDatum(it->finished_at - it->published_at);
 		cols[8][m] = BoolGetDatum(it->interrupted);
 		cols[9][m] = BoolGetDatum(it->outcome == RELAY_RELEASED);
-		m++;
+		mine[m++] = it;
 	}
 	if (m == 0)
-		return;
+		return 0;
 
 	plan = relay_prepare(&record_plan,
 						 "WITH r AS ("
@@ -844,7 +855,7 @@ relay_record(RelayItem **items, int n)
 						 "   AS r(event_id, destination_id, attempts, state, at, status, error,"
 						 "        latency_us, interrupted, released, n)),"
 						 " found AS MATERIALIZED ("
-						 " SELECT r.*, x.tid FROM r,"
+						 " SELECT r.*, x.tid, 'pending'::text AS pending FROM r,"
 						 "   LATERAL (SELECT d.ctid AS tid, d.state AS current_state"
 						 "              FROM idempotency.deliveries d"
 						 "             WHERE d.event_id = r.event_id AND d.destination_id = r.destination_id"
@@ -863,9 +874,10 @@ relay_record(RelayItem **items, int n)
 						 "        last_status = CASE WHEN r.released THEN d.last_status ELSE r.status END,"
 						 "        last_error = CASE WHEN r.released THEN d.last_error ELSE r.error END"
 						 "   FROM found r"
-						 "  WHERE d.ctid = r.tid"
+						 "  WHERE d.ctid = r.tid AND d.state = r.pending"
 						 "    AND (r.state = 'delivered' OR d.attempts = r.attempts)"
-						 " RETURNING r.*)"
+						 " RETURNING r.*),"
+						 " s AS ("
 						 " INSERT INTO idempotency.destination_stats"
 						 "  (destination_id, delivered, retried, dead_lettered, redelivered,"
 						 "   latency_sum_us, last_latency_us, last_delivered_at)"
@@ -877,7 +889,8 @@ relay_record(RelayItem **items, int n)
 						 "        coalesce(sum(latency_us) FILTER (WHERE state = 'delivered'), 0),"
 						 "        (array_agg(latency_us ORDER BY n DESC) FILTER (WHERE state = 'delivered'))[1],"
 						 "        max(at) FILTER (WHERE state = 'delivered')"
-						 "   FROM u GROUP BY destination_id",
+						 "   FROM u GROUP BY destination_id)"
+						 " SELECT n FROM u",
 						 10, argtypes);
 
 	values[0] = relay_array(cols[0], NULL, m, UUIDOID);
@@ -893,8 +906,17 @@ relay_record(RelayItem **items, int n)
 	save_nestlevel = relay_plan_settings();
 	rc = SPI_execute_plan(plan, values, NULL, false, 0);
 	AtEOXact_GUC(true, save_nestlevel);
-	if (rc != SPI_OK_INSERT)
+	if (rc != SPI_OK_SELECT)
 		elog(ERROR, "could not record outbox delivery outcomes");
+
+	/* Which rows were recorded, and whether a success was missed. */
+	recorded = palloc0(sizeof(bool) * m);
+	for (uint64 i = 0; i < SPI_processed; i++)
+		recorded[DatumGetInt64(spi_value(SPI_tuptable->vals[i], 1, 0)) - 1] = true;
+	for (int j = 0; j < m; j++)
+		if (!recorded[j] && mine[j]->outcome == RELAY_DELIVERED)
+			missed[nmissed++] = mine[j];
+	return nmissed;
 }
 
 /* Disable the destinations whose endpoint answered 410 Gone in this pass. */
@@ -952,7 +974,9 @@ relay_pass(int max_events)
 	{
 		List	   *dests;
 		RelayItem **items;
+		RelayItem **missed;
 		int			n;
+		int			nmissed;
 		bool		any_http = false;
 		bool		any_local;
 
@@ -986,6 +1010,7 @@ relay_pass(int max_events)
 		/* Step 3: in-database deliveries, then every outcome, in one transaction. */
 		if (!relay_step_begin(&step, "idempotency relay: record", false))
 			goto done;
+		missed = MemoryContextAlloc(passcxt, sizeof(RelayItem *) * n);
 		relay_relock(items, n, &any_local);
 		for (int i = 0; any_local && i < n; i++)
 		{
@@ -1002,7 +1027,9 @@ relay_pass(int max_events)
 			if (it->outcome != RELAY_DELIVERED)
 				relay_release_chain(it);
 		}
-		relay_record(items, n);
+		nmissed = relay_record(items, n, missed);
+		for (int retry = 0; nmissed > 0 && retry < 2; retry++)
+			nmissed = relay_record(missed, nmissed, missed);
 		relay_disable(dests);
 		relay_step_end(&step);
 

@@ -10,15 +10,25 @@
  * likely waiting, so the worker starts relay helpers -- dynamic background
  * workers in the same database -- until idempotency.relay_workers relay
  * processes run in all.  Each helper runs relay passes back to back, sharing
- * the work with the others through the claim's FOR UPDATE SKIP LOCKED, and
- * exits after the first pass that does not claim a full batch: helpers live
- * only as long as a backlog, so an idle outbox costs no extra processes or
- * worker slots.  Per-key order holds across relays as it does across
- * concurrent callers of idem_outbox_relay(): no delivery is claimed while an
- * earlier one of its key is undelivered.
+ * the work with the others through the claim's FOR UPDATE SKIP LOCKED.
+ * Per-key order holds across relays as it does across concurrent callers of
+ * idem_outbox_relay(): no delivery is claimed while an earlier one of its key
+ * is undelivered.
+ *
+ * Helpers live only as long as a backlog: after a pass that does not claim a
+ * full batch a helper waits HELPER_LINGER_MS and tries once more, and exits
+ * if that pass is not full either, so an idle outbox costs no extra
+ * processes or worker slots.  A helper also exits after a pass when the
+ * setting no longer counts it (each has a number, 1 to relay_workers - 1) or
+ * when the worker that started it is gone (stopped, restarted, or its
+ * database no longer listed): a restarted worker starts helpers of its own.
+ * The worker starts a helper in a given place at most once every
+ * HELPER_RESTART_MS, so that a backlog the helpers cannot take (every
+ * delivery held behind an earlier one of its key) does not start a process
+ * per pass.
  *
  * A helper never restarts (BGW_NEVER_RESTART): if one fails, the worker
- * starts another at its next full batch.  When no background worker slot is
+ * starts another at a later full batch.  When no background worker slot is
  * free the worker carries on alone.
  *
  *-------------------------------------------------------------------------
@@ -30,18 +40,35 @@
 #include "postmaster/bgworker.h"
 #include "postmaster/interrupt.h"
 #include "storage/ipc.h"
+#include "storage/latch.h"
 #include "tcop/tcopprot.h"
 #include "utils/guc.h"
 #include "utils/memutils.h"
+#include "utils/timestamp.h"
 
 #include "outbox.h"
 #include "relay.h"
+#include "stats.h"
 
 /* What pg_stat_activity shows as a helper's backend_type and application_name. */
 #define IDEM_RELAY_HELPER_TYPE	"idempotency relay"
 
-/* The helpers this worker started, NULL where none runs. */
+/* How long a helper waits after a pass that was not full before its last try. */
+#define HELPER_LINGER_MS	1000
+
+/* The shortest time between two starts of a helper in the same place. */
+#define HELPER_RESTART_MS	5000
+
+/* What a helper is told at start, in bgw_extra. */
+typedef struct HelperArgs
+{
+	int32		number;			/* 1 .. RELAY_MAX_WORKERS - 1 */
+	int32		worker_pid;		/* the per-database worker that started it */
+} HelperArgs;
+
+/* The helpers this worker started, NULL where none runs, and when. */
 static BackgroundWorkerHandle *helpers[RELAY_MAX_WORKERS - 1];
+static TimestampTz helper_started_at[RELAY_MAX_WORKERS - 1];
 
 /* Whether "no slot free" was logged since a helper last started. */
 static bool no_slot_logged = false;
@@ -62,25 +89,25 @@ relay_helper_alive(BackgroundWorkerHandle *handle)
 void
 relay_start_helpers(const char *dbname)
 {
-	int			wanted = Min(relay_workers, RELAY_MAX_WORKERS) - 1;
+	TimestampTz now = GetCurrentTimestamp();
 
-	for (int i = 0; i < lengthof(helpers); i++)
+	/* Helper i + 1 runs in place i, while relay_workers counts it. */
+	for (int i = 0; i < Min(relay_workers, RELAY_MAX_WORKERS) - 1; i++)
 	{
 		BackgroundWorker worker;
+		HelperArgs	args;
 		MemoryContext oldcxt;
 		bool		started;
 
 		if (helpers[i] != NULL)
 		{
 			if (relay_helper_alive(helpers[i]))
-			{
-				wanted--;
 				continue;
-			}
 			pfree(helpers[i]);
 			helpers[i] = NULL;
 		}
-		if (wanted <= 0)
+		if (helper_started_at[i] != 0 &&
+			!TimestampDifferenceExceeds(helper_started_at[i], now, HELPER_RESTART_MS))
 			continue;
 
 		memset(&worker, 0, sizeof(worker));
@@ -93,6 +120,9 @@ relay_start_helpers(const char *dbname)
 		strlcpy(worker.bgw_type, IDEM_RELAY_HELPER_TYPE, BGW_MAXLEN);
 		worker.bgw_main_arg = ObjectIdGetDatum(MyDatabaseId);
 		worker.bgw_notify_pid = 0;
+		args.number = i + 1;
+		args.worker_pid = MyProcPid;
+		memcpy(worker.bgw_extra, &args, sizeof(args));
 
 		oldcxt = MemoryContextSwitchTo(TopMemoryContext);
 		started = RegisterDynamicBackgroundWorker(&worker, &helpers[i]);
@@ -109,17 +139,35 @@ relay_start_helpers(const char *dbname)
 			return;
 		}
 		no_slot_logged = false;
-		wanted--;
+		helper_started_at[i] = now;
 	}
 }
 
+/* Whether this helper should stop: no longer counted, or its worker gone. */
+static bool
+relay_helper_dismissed(const HelperArgs *args)
+{
+	if (ConfigReloadPending)
+	{
+		ConfigReloadPending = false;
+		ProcessConfigFile(PGC_SIGHUP);
+	}
+	return args->number >= relay_workers ||
+		idem_stats_worker_pid(MyDatabaseId) != args->worker_pid;
+}
+
 /*
- * Main function of a relay helper: relay passes back to back until one does
- * not claim a full batch, then exit.
+ * Main function of a relay helper: relay passes back to back while they
+ * claim full batches; after one that does not, wait a moment and try once
+ * more, then exit.  Exit early when dismissed.
  */
 void
 idem_relay_helper_main(Datum main_arg)
 {
+	HelperArgs	args;
+	bool		lingered = false;
+
+	memcpy(&args, MyBgworkerEntry->bgw_extra, sizeof(args));
 	pqsignal(SIGHUP, SignalHandlerForConfigReload);
 	pqsignal(SIGTERM, die);
 	BackgroundWorkerUnblockSignals();
@@ -131,16 +179,20 @@ idem_relay_helper_main(Datum main_arg)
 	SetConfigOption("default_transaction_isolation", "read committed",
 					PGC_SUSET, PGC_S_OVERRIDE);
 
-	for (;;)
+	while (!relay_helper_dismissed(&args))
 	{
 		CHECK_FOR_INTERRUPTS();
-		if (ConfigReloadPending)
+		if (relay_run(relay_batch_size) >= relay_batch_size)
 		{
-			ConfigReloadPending = false;
-			ProcessConfigFile(PGC_SIGHUP);
+			lingered = false;
+			continue;
 		}
-		if (relay_run(relay_batch_size) < relay_batch_size)
+		if (lingered)
 			break;
+		lingered = true;
+		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+						 HELPER_LINGER_MS, PG_WAIT_EXTENSION);
+		ResetLatch(MyLatch);
 	}
 	proc_exit(0);
 }

@@ -3,7 +3,8 @@
 # once the backlog is gone.  Every event is delivered exactly once into a
 # function destination, events of one key still arrive in publish order
 # although several processes deliver them, and with relay_workers = 1 the
-# worker works alone.
+# worker works alone.  Helpers go when the setting no longer counts them and
+# when the worker that started them is gone.
 use strict;
 use warnings;
 
@@ -21,46 +22,80 @@ idempotency.relay_batch_size = 50
 idempotency.relay_workers = 3
 });
 $node->start;
+# Each delivery takes a little while (pace.ms), so that a backlog lasts long
+# enough for helpers to start and for the test to watch them.
 $node->safe_psql('postgres', q{
 	CREATE EXTENSION idempotency;
 	CREATE SEQUENCE arrival;
+	CREATE TABLE pace (ms float8);
+	INSERT INTO pace VALUES (0.5);
 	CREATE TABLE received (event_id uuid, key text, n int, pid int, arrival bigint);
 	CREATE FUNCTION consume(event jsonb) RETURNS void LANGUAGE sql AS
-		$$ INSERT INTO received
+		$$ SELECT pg_sleep((SELECT ms FROM pace) / 1000);
+		   INSERT INTO received
 		   VALUES ((event->>'id')::uuid, event->>'key', (event->'payload'->>'n')::int,
 		           pg_backend_pid(), nextval('arrival')) $$;
 	SELECT idem_destination_create('local', 'function', 'consume(jsonb)', '{orders.*}');
 });
-$node->poll_query_until('postgres',
-	q{SELECT count(*) = 1 FROM pg_stat_activity WHERE backend_type = 'idempotency cleanup'})
-  or die 'the per-database worker did not start';
-my $worker_pid = $node->safe_psql('postgres',
-	q{SELECT pid FROM pg_stat_activity WHERE backend_type = 'idempotency cleanup'});
 
-# A backlog: published while the destination is paused, 40 keys of 50
-# events each and 2000 events without a key, interleaved.
-sub publish_backlog
+sub worker_pid
 {
-	$node->safe_psql('postgres', q{
-		SELECT idem_destination_pause('local');
-		SELECT idem_publish('orders.created', jsonb_build_object('n', g),
-		                    CASE WHEN g % 2 = 0 THEN 'k' || (g / 2) % 40 END)
-		  FROM generate_series(1, 4000) g;
-	});
-	$node->safe_psql('postgres', q{SELECT idem_destination_resume('local')});
-	$node->poll_query_until('postgres', q{SELECT count(*) = 4000 FROM received})
-	  or die 'the backlog was not delivered: '
-	  . $node->safe_psql('postgres', 'SELECT count(*) FROM received');
+	return $node->safe_psql('postgres',
+		q{SELECT pid FROM pg_stat_activity WHERE backend_type = 'idempotency cleanup'});
 }
 
-publish_backlog();
-is($node->safe_psql('postgres', q{SELECT count(DISTINCT event_id) FROM received}),
-	'4000', 'every event delivered exactly once while several relays shared the backlog');
-cmp_ok($node->safe_psql('postgres',
-		"SELECT count(DISTINCT pid) FROM received WHERE pid <> $worker_pid"),
+sub helpers
+{
+	return $node->safe_psql('postgres',
+		q{SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'idempotency relay'});
+}
+
+# A backlog of $n events: published while the destination is paused, half
+# of them over 40 keys, half without a key, interleaved (none keyed if
+# $unkeyed: every pass then claims a full batch while the backlog lasts);
+# then resumed.
+sub publish_backlog
+{
+	my ($n, $unkeyed) = @_;
+	my $keyed = $unkeyed ? 'false' : 'true';
+	$node->safe_psql('postgres', qq{
+		SELECT idem_destination_pause('local');
+		SELECT idem_publish('orders.created', jsonb_build_object('n', g),
+		                    CASE WHEN $keyed AND g % 2 = 0 THEN 'k' || (g / 2) % 40 END)
+		  FROM generate_series(1, $n) g;
+	});
+	$node->safe_psql('postgres', q{SELECT idem_destination_resume('local')});
+}
+
+# Wait until $n distinct events arrived, then check that none arrived twice.
+sub all_delivered_once
+{
+	my ($n, $what) = @_;
+	$node->poll_query_until('postgres', "SELECT count(DISTINCT event_id) >= $n FROM received")
+	  or die "the backlog was not delivered: "
+	  . $node->safe_psql('postgres', 'SELECT count(DISTINCT event_id) FROM received');
+	is($node->safe_psql('postgres', q{SELECT count(*) || ' ' || count(DISTINCT event_id) FROM received}),
+		"$n $n", $what);
+}
+
+sub reload_relay_workers
+{
+	my ($n) = @_;
+	$node->safe_psql('postgres', qq{
+		ALTER SYSTEM SET idempotency.relay_workers = $n;
+		SELECT pg_reload_conf();
+	});
+}
+
+$node->poll_query_until('postgres', q{SELECT count(*) = 1 FROM pg_stat_activity WHERE backend_type = 'idempotency cleanup'})
+  or die 'the per-database worker did not start';
+my $worker_pid = worker_pid();
+
+publish_backlog(4000);
+all_delivered_once(4000, 'every event delivered exactly once while several relays shared the backlog');
+cmp_ok($node->safe_psql('postgres', "SELECT count(DISTINCT pid) FROM received WHERE pid <> $worker_pid"),
 	'>=', 1, 'relay helpers delivered part of the backlog');
-cmp_ok($node->safe_psql('postgres',
-		"SELECT count(*) FROM received WHERE pid = $worker_pid"),
+cmp_ok($node->safe_psql('postgres', "SELECT count(*) FROM received WHERE pid = $worker_pid"),
 	'>', 0, 'the worker delivered its share too');
 is($node->safe_psql('postgres', q{
 		SELECT count(*) FROM (
@@ -68,26 +103,67 @@ is($node->safe_psql('postgres', q{
 			  FROM received WHERE key IS NOT NULL) x
 		 WHERE behind}),
 	'0', 'the events of each key arrived in publish order across relays');
-is($node->safe_psql('postgres',
-		q{SELECT count(*) FROM idempotency.deliveries WHERE state <> 'delivered'}),
+is($node->safe_psql('postgres', q{SELECT count(*) FROM idempotency.deliveries WHERE state <> 'delivered'}),
 	'0', 'no delivery left pending');
 ok($node->poll_query_until('postgres',
 		q{SELECT count(*) = 0 FROM pg_stat_activity WHERE backend_type = 'idempotency relay'}),
 	'the helpers exit once the backlog is gone');
 
+# Lowering relay_workers dismisses the helpers it no longer counts, while
+# the backlog lasts: 2 keeps one helper, 1 none.  Without keys every pass is
+# full, so no helper would leave on its own before the backlog is gone.
+$node->safe_psql('postgres', 'TRUNCATE received; UPDATE pace SET ms = 2');
+publish_backlog(6000, 1);
+$node->poll_query_until('postgres',
+	q{SELECT count(*) = 2 FROM pg_stat_activity WHERE backend_type = 'idempotency relay'})
+  or die 'two helpers never ran at once';
+reload_relay_workers(2);
+$node->poll_query_until('postgres',
+	q{SELECT count(*) = 1 FROM pg_stat_activity WHERE backend_type = 'idempotency relay'})
+  or die 'the second helper was not dismissed';
+reload_relay_workers(1);
+ok($node->poll_query_until('postgres',
+		q{SELECT count(*) = 0 FROM pg_stat_activity WHERE backend_type = 'idempotency relay'}),
+	'relay_workers = 1 dismisses the last helper');
+cmp_ok($node->safe_psql('postgres', q{SELECT count(*) FROM idempotency.deliveries WHERE state = 'pending'}),
+	'>', 0, 'while the backlog was still there');
+
+# A helper outlives its worker only by a pass: terminate the worker while
+# helpers run, and they go too (the launcher starts a new worker after 10 s,
+# which starts helpers of its own).
+reload_relay_workers(3);
+$node->poll_query_until('postgres',
+	q{SELECT count(*) = 2 FROM pg_stat_activity WHERE backend_type = 'idempotency relay'})
+  or die 'the helpers did not start again';
+$node->safe_psql('postgres', "SELECT pg_terminate_backend($worker_pid)");
+ok($node->poll_query_until('postgres', qq{
+		SELECT count(*) = 0 FROM pg_stat_activity
+		 WHERE backend_type = 'idempotency relay' AND backend_start < (
+		       SELECT coalesce(max(backend_start), now()) FROM pg_stat_activity
+		        WHERE backend_type = 'idempotency cleanup')}),
+	'the helpers of a terminated worker exit');
+$node->safe_psql('postgres', 'UPDATE pace SET ms = 0');
+all_delivered_once(6000, 'the backlog is delivered exactly once across the dismissals and the restart');
+is($node->safe_psql('postgres', q{
+		SELECT count(*) FROM (
+			SELECT n < lag(n) OVER (PARTITION BY key ORDER BY arrival) AS behind
+			  FROM received WHERE key IS NOT NULL) x
+		 WHERE behind}),
+	'0', 'still in publish order per key');
+
 # relay_workers = 1: the worker alone.
-$node->safe_psql('postgres', q{
-	ALTER SYSTEM SET idempotency.relay_workers = 1;
-	SELECT pg_reload_conf();
-	TRUNCATE received;
-});
+reload_relay_workers(1);
+$node->poll_query_until('postgres',
+	q{SELECT count(*) = 0 FROM pg_stat_activity WHERE backend_type = 'idempotency relay'})
+  or die 'helpers still running';
+$worker_pid = worker_pid();
+$node->safe_psql('postgres', 'TRUNCATE received');
 # The idle worker rereads the configuration as soon as the signal wakes it.
 sleep 1;
-publish_backlog();
+publish_backlog(4000);
+all_delivered_once(4000, 'every event delivered exactly once');
 is($node->safe_psql('postgres', "SELECT count(*) FROM received WHERE pid <> $worker_pid"),
 	'0', 'with relay_workers = 1 the worker delivers the whole backlog itself');
-is($node->safe_psql('postgres', q{SELECT count(DISTINCT event_id) FROM received}),
-	'4000', 'every event delivered exactly once');
 
 $node->stop;
 done_testing();

@@ -67,6 +67,24 @@ SELECT relname, seq_tup_read, idx_tup_fetch < (2000 + 200) * 5 AS bounded_by_bac
   FROM pass_reads(200);
 SELECT count(*) AS delivered FROM plan_sink;
 
+-- When a pass finds fewer heads than it could take, the next one looks for
+-- heads among the oldest due deliveries first (four times its size), and
+-- beyond them only if it is not full.  Nothing may hide behind that window:
+-- 50 deliveries of key 'held' wait behind their head, which is not due (a
+-- failed attempt's backoff, here set by hand), and fill the window of a
+-- pass of 5; an event without a key, published after them, must still go.
+SELECT idem_outbox_relay(2000);
+SELECT idem_outbox_relay(5) AS empty_pass;   -- few heads: the next pass looks in the window first
+SELECT count(idem_publish('plans', jsonb_build_object('n', g), 'held')) FROM generate_series(1, 50) g;
+UPDATE idempotency.deliveries SET next_attempt_at = now() + interval '1 hour'
+ WHERE key = 'held' AND seq = (SELECT min(seq) FROM idempotency.deliveries WHERE key = 'held');
+SELECT idem_publish('plans', '{"late": true}') IS NOT NULL AS published;
+SELECT idem_outbox_relay(5) AS attempted;
+SELECT count(*) FILTER (WHERE o.payload ? 'late') AS late_delivered,
+	   count(*) FILTER (WHERE o.key = 'held') AS held_delivered
+  FROM idempotency.deliveries x JOIN idempotency.outbox o USING (event_id)
+ WHERE x.state = 'delivered' AND (o.key = 'held' OR o.payload ? 'late');
+
 ALTER TABLE idempotency.deliveries RESET (autovacuum_enabled);
 ALTER TABLE idempotency.outbox RESET (autovacuum_enabled);
 SELECT idem_destination_drop('plans');

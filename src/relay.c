@@ -86,6 +86,7 @@ static Datum relay_array(Datum *values, bool *nulls, int n, Oid typid);
 
 /* The saved statements. */
 static SPIPlanPtr claim_plan = NULL;
+static SPIPlanPtr claim_all_plan = NULL;
 static SPIPlanPtr followers_plan = NULL;
 static SPIPlanPtr dests_plan = NULL;
 static SPIPlanPtr lock_plan = NULL;
@@ -389,43 +390,75 @@ relay_read_claimed(MemoryContext cxt, RelayItem **items, int n)
 /*
  * Claim the due deliveries that may go now: no earlier delivery of their key
  * to their destination is undelivered (the heads of their keys), oldest
- * first, up to max_events.  Appends them to items.
+ * first, up to max_events.  Appends them to items after the first n; returns
+ * the new count.  pass_max is the pass's whole batch, which sizes the
+ * visibility deadline.
+ *
+ * Finding heads means walking past the due deliveries that wait behind an
+ * earlier one of their key.  When a backlog sits on few keys that is nearly
+ * all of it, on every pass.  So after a pass that found fewer heads than it
+ * could take, the next one first looks only at the oldest HEADS_WINDOW times
+ * max_events due deliveries (windowed), and at the rest only if the pass is
+ * not full after that; while heads are plentiful, the window (which costs a
+ * walk of its own) is left out.  Whether an
+ * earlier delivery of the key is undelivered is asked backwards from the
+ * delivery's seq (a scalar subquery: EXISTS would drop the ORDER BY): a
+ * waiting delivery finds its predecessor at once, instead of walking first
+ * past the index entries its key's delivered deliveries left behind.
  */
+#define HEADS_WINDOW	4
+
+#define CLAIM_HEADS(window) \
+	"WITH picked AS MATERIALIZED (" \
+	" SELECT d.ctid AS tid, d.visible_until IS NOT NULL AS interrupted" \
+	"   FROM idempotency.deliveries d" \
+	"  WHERE d.state = 'pending' AND d.next_attempt_at <= $1" window \
+	"    AND d.destination_id IN (SELECT t.id FROM idempotency.destinations t" \
+	"                              WHERE NOT t.paused AND t.disabled_at IS NULL)" \
+	"    AND (d.key IS NULL OR (" \
+	"          SELECT e.seq FROM idempotency.deliveries e" \
+	"           WHERE e.destination_id = d.destination_id AND e.key = d.key" \
+	"             AND e.seq < d.seq AND e.state <> 'delivered'" \
+	"           ORDER BY e.seq DESC LIMIT 1) IS NULL)" \
+	"  ORDER BY d.next_attempt_at" \
+	"  LIMIT $2" \
+	"    FOR UPDATE OF d SKIP LOCKED)" \
+	CLAIM_UPDATE
+
+/* The window: no later than the $5-th oldest due delivery. */
+#define HEADS_WINDOW_SQL \
+	" AND d.next_attempt_at <= (" \
+	"  SELECT max(w.next_attempt_at) FROM (" \
+	"   SELECT w.next_attempt_at FROM idempotency.deliveries w" \
+	"    WHERE w.state = 'pending' AND w.next_attempt_at <= $1" \
+	"      AND w.destination_id IN (SELECT t.id FROM idempotency.destinations t" \
+	"                                WHERE NOT t.paused AND t.disabled_at IS NULL)" \
+	"    ORDER BY w.next_attempt_at LIMIT $5) w)"
+
 static int
-relay_claim_heads(int max_events, TimestampTz now, MemoryContext cxt,
-				  RelayItem **items)
+relay_claim_heads(int max_events, bool windowed, int pass_max, TimestampTz now,
+				  MemoryContext cxt, RelayItem **items, int n)
 {
-	Oid			argtypes[4] = {TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID};
-	Datum		values[4];
+	Oid			argtypes[5] = {TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID, INT4OID};
+	Datum		values[5];
 	SPIPlanPtr	plan;
 	int			rc;
 
-	plan = relay_prepare(&claim_plan,
-						 "WITH picked AS MATERIALIZED ("
-						 " SELECT d.ctid AS tid, d.visible_until IS NOT NULL AS interrupted"
-						 "   FROM idempotency.deliveries d"
-						 "  WHERE d.state = 'pending' AND d.next_attempt_at <= $1"
-						 "    AND d.destination_id IN (SELECT t.id FROM idempotency.destinations t"
-						 "                              WHERE NOT t.paused AND t.disabled_at IS NULL)"
-						 "    AND (d.key IS NULL OR NOT EXISTS ("
-						 "          SELECT FROM idempotency.deliveries e"
-						 "           WHERE e.destination_id = d.destination_id AND e.key = d.key"
-						 "             AND e.seq < d.seq AND e.state <> 'delivered'))"
-						 "  ORDER BY d.next_attempt_at"
-						 "  LIMIT $2"
-						 "    FOR UPDATE OF d SKIP LOCKED)"
-						 CLAIM_UPDATE,
-						 4, argtypes);
+	if (windowed)
+		plan = relay_prepare(&claim_plan, CLAIM_HEADS(HEADS_WINDOW_SQL), 5, argtypes);
+	else
+		plan = relay_prepare(&claim_all_plan, CLAIM_HEADS(""), 4, argtypes);
 
 	values[0] = TimestampTzGetDatum(now);
 	values[1] = Int32GetDatum(max_events);
 	values[2] = Int32GetDatum(relay_visibility_margin);
 	/* HTTP requests go out in waves of relay_max_in_flight. */
-	values[3] = Int32GetDatum((max_events + relay_max_in_flight - 1) / relay_max_in_flight);
+	values[3] = Int32GetDatum((pass_max + relay_max_in_flight - 1) / relay_max_in_flight);
+	values[4] = Int32GetDatum(max_events * HEADS_WINDOW);
 	rc = SPI_execute_plan(plan, values, NULL, false, 0);
 	if (rc != SPI_OK_SELECT)
 		elog(ERROR, "could not claim outbox deliveries");
-	return relay_read_claimed(cxt, items, 0);
+	return relay_read_claimed(cxt, items, n);
 }
 
 /*
@@ -435,11 +468,12 @@ relay_claim_heads(int max_events, TimestampTz now, MemoryContext cxt,
  * is not held to one event per pass.  No other relay can take them: their
  * head is claimed, so for everyone else an earlier delivery of their key is
  * undelivered.  At most room in all, shared out evenly between the keys.
- * Appends them to items after the first n.
+ * The heads are items[first .. n - 1]; appends the followers after them.
+ * pass_max is the pass's whole batch, which sizes the visibility deadline.
  */
 static int
-relay_claim_followers(int room, TimestampTz now, MemoryContext cxt,
-					  RelayItem **items, int n)
+relay_claim_followers(int room, int pass_max, TimestampTz now, MemoryContext cxt,
+					  RelayItem **items, int first, int n)
 {
 	Oid			argtypes[8] = {TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID,
 		INT4ARRAYOID, TEXTARRAYOID, INT8ARRAYOID, INT4OID};
@@ -450,7 +484,7 @@ relay_claim_followers(int room, TimestampTz now, MemoryContext cxt,
 	int			nheads = 0;
 	SPIPlanPtr	plan;
 
-	for (int i = 0; i < n; i++)
+	for (int i = first; i < n; i++)
 		if (items[i]->key != NULL)
 		{
 			dests[nheads] = Int32GetDatum(items[i]->dest_id);
@@ -488,7 +522,7 @@ relay_claim_followers(int room, TimestampTz now, MemoryContext cxt,
 	values[0] = TimestampTzGetDatum(now);
 	values[1] = Int32GetDatum(room);
 	values[2] = Int32GetDatum(relay_visibility_margin);
-	values[3] = Int32GetDatum((n + room + relay_max_in_flight - 1) / relay_max_in_flight);
+	values[3] = Int32GetDatum((pass_max + relay_max_in_flight - 1) / relay_max_in_flight);
 	values[4] = relay_array(dests, NULL, nheads, INT4OID);
 	values[5] = relay_array(keys, NULL, nheads, TEXTOID);
 	values[6] = relay_array(seqs, NULL, nheads, INT8OID);
@@ -556,12 +590,25 @@ relay_release_chain(RelayItem *it)
 static int
 relay_claim(int max_events, TimestampTz now, MemoryContext cxt, RelayItem ***items)
 {
+	/* Whether this backend's last pass found fewer heads than it could take. */
+	static bool heads_sparse = false;
 	int			n;
+	int			heads;
 	int			save_nestlevel = relay_plan_settings();
 
 	*items = MemoryContextAlloc(cxt, sizeof(RelayItem *) * max_events);
-	n = relay_claim_heads(max_events, now, cxt, *items);
-	n = relay_claim_followers(max_events - n, now, cxt, *items, n);
+	n = heads = relay_claim_heads(max_events, heads_sparse, max_events, now, cxt, *items, 0);
+	n = relay_claim_followers(max_events - n, max_events, now, cxt, *items, 0, n);
+	if (n < max_events && heads_sparse)
+	{
+		/* Not full: there may be heads beyond the window. */
+		int			first = n;
+
+		n = relay_claim_heads(max_events - n, false, max_events, now, cxt, *items, n);
+		heads += n - first;
+		n = relay_claim_followers(max_events - n, max_events, now, cxt, *items, first, n);
+	}
+	heads_sparse = heads < max_events;
 	AtEOXact_GUC(true, save_nestlevel);
 	qsort(*items, n, sizeof(RelayItem *), relay_item_cmp);
 	relay_link_chains(*items, n);

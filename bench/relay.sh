@@ -200,30 +200,31 @@ relay_workers() {
 	sleep 0.5
 }
 
-# drain DEST: resume DEST and wait (polling every 5 ms in one session) until
-# the worker has delivered all EVENTS events; prints seconds.
+# drain DEST: resume DEST and wait until the worker has delivered all EVENTS
+# events; prints seconds.  The poller is one psql session sending a short
+# statement every 5 ms: a loop inside one statement (a DO block) would hold
+# its snapshot's xmin all along, so that no dead row version of the outbox
+# could be cleaned up while the relay works, which is not how an outbox
+# lives.
 drain() {
-	sql -c "DO \$\$
-		DECLARE
-			t0 timestamptz;
-			base bigint;
-		BEGIN
-			SELECT coalesce(sum(s.delivered), 0) INTO base
-			  FROM idempotency.destination_stats s JOIN idempotency.destinations t ON t.id = s.destination_id
-			 WHERE t.name = '$1';
-			PERFORM idem_destination_resume('$1');
-			COMMIT;    -- the commit wakes the worker
-			t0 := clock_timestamp();
-			WHILE (SELECT coalesce(sum(s.delivered), 0)
-			         FROM idempotency.destination_stats s JOIN idempotency.destinations t ON t.id = s.destination_id
-			        WHERE t.name = '$1') < base + $EVENTS LOOP
-				IF clock_timestamp() - t0 > interval '10 minutes' THEN
-					RAISE EXCEPTION 'not delivered after 10 minutes';
-				END IF;
-				PERFORM pg_sleep(0.005);
-			END LOOP;
-			RAISE NOTICE 'seconds %', extract(epoch FROM clock_timestamp() - t0);
-		END \$\$" 2>&1 | sed -n 's/.*seconds \([0-9.]*\).*/\1/p'
+	local q base got t0 t1
+	q="SELECT coalesce(sum(s.delivered), 0) FROM idempotency.destination_stats s
+	     JOIN idempotency.destinations t ON t.id = s.destination_id WHERE t.name = '$1'"
+	base=$(sql -c "$q")
+	coproc POLL { as_pg "$BIN/psql" -X -q -At -v ON_ERROR_STOP=1 -h "$WORK" -p "$PORT" -U postgres -d postgres; }
+	sql -c "SELECT idem_destination_resume('$1')" >/dev/null    # its commit wakes the worker
+	t0=$EPOCHREALTIME
+	while :; do
+		echo "SELECT pg_sleep(0.005), ($q);" >&"${POLL[1]}"
+		IFS='|' read -r _ got <&"${POLL[0]}" || { echo "!! the poller failed" >&2; return 1; }
+		((got >= base + EVENTS)) && break
+		((${EPOCHREALTIME/./} - ${t0/./} > 600000000)) \
+			&& { echo "!! not delivered after 10 minutes" >&2; return 1; }
+	done
+	t1=$EPOCHREALTIME
+	exec {POLL[1]}>&-
+	wait "$POLL_PID" 2>/dev/null || true
+	awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", b - a }'
 }
 
 check_delivered() {

@@ -54,16 +54,18 @@
 /* Cached OIDs, reset by relcache invalidation (DROP/ALTER EXTENSION). */
 static Oid	inbox_relid = InvalidOid;
 static Oid	inbox_pkey_relid = InvalidOid;
+static bool inbox_stale = true;
 
-/* Forget the cached OIDs when the table may have been dropped or rebuilt. */
+/*
+ * Mark the cached OIDs stale when the table may have been dropped or
+ * rebuilt; inbox_open looks them up again (see records.c: clearing them here,
+ * in the middle of an operation, made it open OID 0).
+ */
 static void
 inbox_relcache_callback(Datum arg, Oid relid)
 {
 	if (relid == InvalidOid || relid == inbox_relid || relid == inbox_pkey_relid)
-	{
-		inbox_relid = InvalidOid;
-		inbox_pkey_relid = InvalidOid;
-	}
+		inbox_stale = true;
 }
 
 /* Register the cache callback; called once from _PG_init. */
@@ -77,18 +79,20 @@ InboxInit(void)
 static Relation
 inbox_open(LOCKMODE lockmode)
 {
-	if (!OidIsValid(inbox_relid))
+	if (inbox_stale)
 	{
 		Oid			nspid = get_namespace_oid(INBOX_SCHEMA, true);
 
+		inbox_relid = inbox_pkey_relid = InvalidOid;
 		if (OidIsValid(nspid))
 		{
 			inbox_relid = get_relname_relid(INBOX_TABLE, nspid);
 			inbox_pkey_relid = get_relname_relid(INBOX_PKEY, nspid);
 		}
+		inbox_stale = false;
 		if (!OidIsValid(inbox_relid) || !OidIsValid(inbox_pkey_relid))
 		{
-			inbox_relid = inbox_pkey_relid = InvalidOid;
+			inbox_stale = true;
 			ereport(ERROR,
 					(errcode(ERRCODE_UNDEFINED_TABLE),
 					 errmsg("table idempotency.inbox does not exist"),

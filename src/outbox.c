@@ -67,25 +67,27 @@ int			relay_workers = 1;
 /* Set by idem_publish (and the operator functions): wake the relay at commit. */
 static bool wake_at_commit = false;
 
-/* Cached OIDs, reset by relcache invalidation (DROP/CREATE EXTENSION). */
+/*
+ * Cached OIDs, looked up again after a relcache invalidation of one of the
+ * relations (DROP/CREATE EXTENSION; also every ANALYZE or VACUUM).  The
+ * callback only marks them stale, and idem_publish looks them up again when
+ * it starts: the callback runs whenever a lock is acquired, in the middle of
+ * idem_publish, and clearing them there made it open OID 0.
+ */
 static Oid	cached_outbox = InvalidOid;
 static Oid	cached_deliveries = InvalidOid;
 static Oid	cached_destinations = InvalidOid;
 static Oid	cached_seq = InvalidOid;
+static bool cached_stale = true;
 
-/* Forget the cached OIDs when one of the relations may have been dropped. */
+/* Mark the cached OIDs stale when one of the relations may have been dropped. */
 static void
 outbox_relcache_callback(Datum arg, Oid relid)
 {
 	if (relid == InvalidOid || relid == cached_outbox ||
 		relid == cached_deliveries || relid == cached_destinations ||
 		relid == cached_seq)
-	{
-		cached_outbox = InvalidOid;
-		cached_deliveries = InvalidOid;
-		cached_destinations = InvalidOid;
-		cached_seq = InvalidOid;
-	}
+		cached_stale = true;
 }
 
 /* At commit, wake the relay if this transaction gave it work. */
@@ -198,12 +200,13 @@ outbox_relid(const char *relname)
 static void
 outbox_resolve(void)
 {
-	if (OidIsValid(cached_seq))
+	if (!cached_stale)
 		return;
 	cached_outbox = outbox_relid("outbox");
 	cached_deliveries = outbox_relid("deliveries");
 	cached_destinations = outbox_relid("destinations");
 	cached_seq = outbox_relid("outbox_seq");
+	cached_stale = false;
 }
 
 /*

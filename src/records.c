@@ -58,20 +58,25 @@
 #define Anum_audit_note				9
 #define Natts_audit					9
 
-/* Cached OIDs, reset by relcache invalidation (DROP/CREATE EXTENSION). */
+/*
+ * Cached OIDs, looked up again after a relcache invalidation of either
+ * relation (DROP/CREATE EXTENSION; also every ANALYZE or VACUUM).  The
+ * callback only marks them stale: it runs whenever a lock is acquired, in
+ * the middle of an operation that already holds the table open and uses
+ * both OIDs, and clearing them there made the next use open OID 0.  The next
+ * records_open looks them up again.
+ */
 static Oid	records_relid = InvalidOid;
 static Oid	records_pkey_relid = InvalidOid;
+static bool records_stale = true;
 
-/* Forget the cached OIDs when the table may have been dropped or rebuilt. */
+/* Mark the cached OIDs stale when the table may have been dropped or rebuilt. */
 static void
 records_relcache_callback(Datum arg, Oid relid)
 {
 	if (relid == InvalidOid || relid == records_relid ||
 		relid == records_pkey_relid)
-	{
-		records_relid = InvalidOid;
-		records_pkey_relid = InvalidOid;
-	}
+		records_stale = true;
 }
 
 /* Register the cache callback; called once from _PG_init. */
@@ -87,15 +92,17 @@ records_resolve(void)
 {
 	Oid			nspid = get_namespace_oid(RECORDS_SCHEMA, true);
 
+	records_relid = InvalidOid;
+	records_pkey_relid = InvalidOid;
 	if (OidIsValid(nspid))
 	{
 		records_relid = get_relname_relid(RECORDS_TABLE, nspid);
 		records_pkey_relid = get_relname_relid(RECORDS_PKEY, nspid);
 	}
+	records_stale = false;
 	if (!OidIsValid(records_relid) || !OidIsValid(records_pkey_relid))
 	{
-		records_relid = InvalidOid;
-		records_pkey_relid = InvalidOid;
+		records_stale = true;
 		ereport(ERROR,
 				(errcode(ERRCODE_UNDEFINED_TABLE),
 				 errmsg("extension \"idempotency\" is not installed in this database"),
@@ -107,7 +114,7 @@ records_resolve(void)
 Relation
 records_open(LOCKMODE lockmode)
 {
-	if (!OidIsValid(records_relid))
+	if (records_stale)
 		records_resolve();
 	return table_open(records_relid, lockmode);
 }

@@ -216,10 +216,10 @@ drain() {
 	t0=$EPOCHREALTIME
 	while :; do
 		echo "SELECT pg_sleep(0.005), ($q);" >&"${POLL[1]}"
-		IFS='|' read -r _ got <&"${POLL[0]}" || { echo "!! the poller failed" >&2; return 1; }
+		IFS='|' read -r _ got <&"${POLL[0]}" || { echo "!! the poller failed" >&2; kill "$POLL_PID"; return 1; }
 		((got >= base + EVENTS)) && break
 		((${EPOCHREALTIME/./} - ${t0/./} > 600000000)) \
-			&& { echo "!! not delivered after 10 minutes" >&2; return 1; }
+			&& { echo "!! not delivered after 10 minutes" >&2; kill "$POLL_PID"; return 1; }
 	done
 	t1=$EPOCHREALTIME
 	exec {POLL[1]}>&-

@@ -398,15 +398,19 @@ relay_read_claimed(MemoryContext cxt, RelayItem **items, int n)
  * earlier one of their key.  When a backlog sits on few keys that is nearly
  * all of it, on every pass.  So after a pass that found fewer heads than it
  * could take, the next one first looks only at the oldest HEADS_WINDOW times
- * max_events due deliveries (windowed), and at the rest only if the pass is
- * not full after that; while heads are plentiful, the window (which costs a
- * walk of its own) is left out.  Whether an
- * earlier delivery of the key is undelivered is asked backwards from the
+ * max_events due deliveries (windowed), and at the rest if the pass is not
+ * full after that, and at least once a second anyway (see relay_claim);
+ * while heads are plentiful, the window (which costs a walk of its own) is
+ * left out.  Whether an earlier delivery of the key is undelivered is asked
+ * backwards from the
  * delivery's seq (a scalar subquery: EXISTS would drop the ORDER BY): a
  * waiting delivery finds its predecessor at once, instead of walking first
  * past the index entries its key's delivered deliveries left behind.
  */
 #define HEADS_WINDOW	4
+
+/* How often a windowed pass also looks beyond the window, at the longest. */
+#define HEADS_BEYOND_MS	1000
 
 #define CLAIM_HEADS(window) \
 	"WITH picked AS MATERIALIZED (" \
@@ -592,22 +596,42 @@ relay_claim(int max_events, TimestampTz now, MemoryContext cxt, RelayItem ***ite
 {
 	/* Whether this backend's last pass found fewer heads than it could take. */
 	static bool heads_sparse = false;
+	/* When this backend last looked for heads beyond the window. */
+	static TimestampTz beyond_at = 0;
+	bool		look_beyond;
 	int			n;
 	int			heads;
 	int			save_nestlevel = relay_plan_settings();
 
+	/*
+	 * At least once every HEADS_BEYOND_MS a windowed pass also takes heads
+	 * from beyond the window, up to a quarter of its room, before the
+	 * followers: a key with a long backlog inside the window would otherwise
+	 * fill every pass with its own deliveries, and keys and destinations
+	 * behind it would wait for it to drain.
+	 */
+	look_beyond = heads_sparse &&
+		TimestampDifferenceExceeds(beyond_at, now, HEADS_BEYOND_MS);
+
 	*items = MemoryContextAlloc(cxt, sizeof(RelayItem *) * max_events);
-	n = heads = relay_claim_heads(max_events, heads_sparse, max_events, now, cxt, *items, 0);
+	n = relay_claim_heads(max_events, heads_sparse, max_events, now, cxt, *items, 0);
+	if (look_beyond && n < max_events)
+		n = relay_claim_heads(Min(Max(max_events / 4, 1), max_events - n), false, max_events,
+							  now, cxt, *items, n);
+	heads = n;
 	n = relay_claim_followers(max_events - n, max_events, now, cxt, *items, 0, n);
-	if (n < max_events && heads_sparse)
+	if (heads_sparse && !look_beyond && n < max_events)
 	{
-		/* Not full: there may be heads beyond the window. */
+		/* Room left: there may be heads beyond the window. */
 		int			first = n;
 
 		n = relay_claim_heads(max_events - n, false, max_events, now, cxt, *items, n);
 		heads += n - first;
 		n = relay_claim_followers(max_events - n, max_events, now, cxt, *items, first, n);
+		look_beyond = true;
 	}
+	if (look_beyond || !heads_sparse)
+		beyond_at = now;
 	heads_sparse = heads < max_events;
 	AtEOXact_GUC(true, save_nestlevel);
 	qsort(*items, n, sizeof(RelayItem *), relay_item_cmp);

@@ -91,6 +91,14 @@ relay_start_helpers(const char *dbname)
 {
 	TimestampTz now = GetCurrentTimestamp();
 
+	/*
+	 * Helpers stay only while this worker is the one registered for the
+	 * database; one that could not register (no statistics slot free) would
+	 * see its helpers dismissed at once, and start them again and again.
+	 */
+	if (idem_stats_worker_pid(MyDatabaseId) != MyProcPid)
+		return;
+
 	/* Helper i + 1 runs in place i, while relay_workers counts it. */
 	for (int i = 0; i < Min(relay_workers, RELAY_MAX_WORKERS) - 1; i++)
 	{

@@ -142,14 +142,10 @@ ok($node->poll_query_until('postgres', qq{
 		       SELECT coalesce(max(backend_start), now()) FROM pg_stat_activity
 		        WHERE backend_type = 'idempotency cleanup')}),
 	'the helpers of a terminated worker exit');
+cmp_ok($node->safe_psql('postgres', q{SELECT count(*) FROM idempotency.deliveries WHERE state = 'pending'}),
+	'>', 0, 'while the backlog was still there');
 $node->safe_psql('postgres', 'UPDATE pace SET ms = 0');
 all_delivered_once(6000, 'the backlog is delivered exactly once across the dismissals and the restart');
-is($node->safe_psql('postgres', q{
-		SELECT count(*) FROM (
-			SELECT n < lag(n) OVER (PARTITION BY key ORDER BY arrival) AS behind
-			  FROM received WHERE key IS NOT NULL) x
-		 WHERE behind}),
-	'0', 'still in publish order per key');
 
 # relay_workers = 1: the worker alone.
 reload_relay_workers(1);

@@ -38,7 +38,6 @@
 #include "storage/lmgr.h"
 #include "utils/builtins.h"
 #include "utils/fmgroids.h"
-#include "utils/inval.h"
 #include "utils/lsyscache.h"
 #include "utils/snapmgr.h"
 
@@ -47,59 +46,29 @@
 #include "records.h"
 #include "stats.h"
 
-#define INBOX_SCHEMA	"idempotency"
 #define INBOX_TABLE		"inbox"
 #define INBOX_PKEY		"inbox_pkey"
 
-/* Cached OIDs, reset by relcache invalidation (DROP/ALTER EXTENSION). */
-static Oid	inbox_relid = InvalidOid;
-static Oid	inbox_pkey_relid = InvalidOid;
-static bool inbox_stale = true;
+/* idempotency.inbox and its primary key (records.h: IdemRelCache). */
+static IdemRelCache inbox_rels = IDEM_RELCACHE(INBOX_TABLE, INBOX_PKEY);
 
-/*
- * Mark the cached OIDs stale when the table may have been dropped or
- * rebuilt; inbox_open looks them up again (see records.c: clearing them here,
- * in the middle of an operation, made it open OID 0).
- */
-static void
-inbox_relcache_callback(Datum arg, Oid relid)
-{
-	if (relid == InvalidOid || relid == inbox_relid || relid == inbox_pkey_relid)
-		inbox_stale = true;
-}
-
-/* Register the cache callback; called once from _PG_init. */
+/* Register the cached OIDs of idempotency.inbox; called once from _PG_init. */
 void
 InboxInit(void)
 {
-	CacheRegisterRelcacheCallback(inbox_relcache_callback, (Datum) 0);
+	idem_relcache_register(&inbox_rels);
 }
 
 /* Open idempotency.inbox, with a clear error if the installed version lacks it. */
 static Relation
 inbox_open(LOCKMODE lockmode)
 {
-	if (inbox_stale)
-	{
-		Oid			nspid = get_namespace_oid(INBOX_SCHEMA, true);
-
-		inbox_relid = inbox_pkey_relid = InvalidOid;
-		if (OidIsValid(nspid))
-		{
-			inbox_relid = get_relname_relid(INBOX_TABLE, nspid);
-			inbox_pkey_relid = get_relname_relid(INBOX_PKEY, nspid);
-		}
-		inbox_stale = false;
-		if (!OidIsValid(inbox_relid) || !OidIsValid(inbox_pkey_relid))
-		{
-			inbox_stale = true;
-			ereport(ERROR,
-					(errcode(ERRCODE_UNDEFINED_TABLE),
-					 errmsg("table idempotency.inbox does not exist"),
-					 errhint("Run ALTER EXTENSION idempotency UPDATE.")));
-		}
-	}
-	return table_open(inbox_relid, lockmode);
+	if (!idem_relcache_resolve(&inbox_rels))
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_TABLE),
+				 errmsg("table idempotency.inbox does not exist"),
+				 errhint("Run ALTER EXTENSION idempotency UPDATE.")));
+	return table_open(inbox_rels.oids[0], lockmode);
 }
 
 /* The advisory lock tag of (source, message_id) in this database. */
@@ -140,7 +109,7 @@ inbox_lookup(Relation rel, Snapshot snapshot, text *source, text *message_id,
 	ScanKeyInit(&skey[1], Anum_inbox_message_id, BTEqualStrategyNumber,
 				F_TEXTEQ, PointerGetDatum(message_id));
 
-	scan = systable_beginscan(rel, inbox_pkey_relid, true, snapshot, 2, skey);
+	scan = systable_beginscan(rel, inbox_rels.oids[1], true, snapshot, 2, skey);
 	tuple = systable_getnext(scan);
 	if (HeapTupleIsValid(tuple))
 	{

@@ -46,13 +46,13 @@
 #include "utils/array.h"
 #include "utils/builtins.h"
 #include "utils/guc.h"
-#include "utils/inval.h"
 #include "utils/lsyscache.h"
 #include "utils/rel.h"
 #include "utils/snapmgr.h"
 #include "utils/syscache.h"
 
 #include "outbox.h"
+#include "records.h"
 #include "relay.h"
 
 #define OUTBOX_SCHEMA	"idempotency"
@@ -67,28 +67,13 @@ int			relay_workers = 1;
 /* Set by idem_publish (and the operator functions): wake the relay at commit. */
 static bool wake_at_commit = false;
 
-/*
- * Cached OIDs, looked up again after a relcache invalidation of one of the
- * relations (DROP/CREATE EXTENSION; also every ANALYZE or VACUUM).  The
- * callback only marks them stale, and idem_publish looks them up again when
- * it starts: the callback runs whenever a lock is acquired, in the middle of
- * idem_publish, and clearing them there made it open OID 0.
- */
-static Oid	cached_outbox = InvalidOid;
-static Oid	cached_deliveries = InvalidOid;
-static Oid	cached_destinations = InvalidOid;
-static Oid	cached_seq = InvalidOid;
-static bool cached_stale = true;
+/* What idem_publish writes (records.h: IdemRelCache). */
+static IdemRelCache publish_rels = IDEM_RELCACHE("outbox", "deliveries", "destinations", "outbox_seq");
 
-/* Mark the cached OIDs stale when one of the relations may have been dropped. */
-static void
-outbox_relcache_callback(Datum arg, Oid relid)
-{
-	if (relid == InvalidOid || relid == cached_outbox ||
-		relid == cached_deliveries || relid == cached_destinations ||
-		relid == cached_seq)
-		cached_stale = true;
-}
+#define PUBLISH_OUTBOX			publish_rels.oids[0]
+#define PUBLISH_DELIVERIES		publish_rels.oids[1]
+#define PUBLISH_DESTINATIONS	publish_rels.oids[2]
+#define PUBLISH_SEQ				publish_rels.oids[3]
 
 /* At commit, wake the relay if this transaction gave it work. */
 static void
@@ -159,7 +144,7 @@ OutboxInit(void)
 							PGC_SUSET, GUC_UNIT_BYTE,
 							NULL, NULL, NULL);
 
-	CacheRegisterRelcacheCallback(outbox_relcache_callback, (Datum) 0);
+	idem_relcache_register(&publish_rels);
 	RegisterXactCallback(outbox_xact_callback, NULL);
 }
 
@@ -194,19 +179,6 @@ outbox_relid(const char *relname)
 				 errmsg("extension \"idempotency\" is not installed in this database, or not at version 1.1"),
 				 errhint("Run CREATE EXTENSION idempotency, or ALTER EXTENSION idempotency UPDATE.")));
 	return relid;
-}
-
-/* Look up the relations idem_publish writes, once per invalidation. */
-static void
-outbox_resolve(void)
-{
-	if (!cached_stale)
-		return;
-	cached_outbox = outbox_relid("outbox");
-	cached_deliveries = outbox_relid("deliveries");
-	cached_destinations = outbox_relid("destinations");
-	cached_seq = outbox_relid("outbox_seq");
-	cached_stale = false;
 }
 
 /*
@@ -483,7 +455,7 @@ outbox_fan_out(pg_uuid_t *event_id, int64 seq, text *topic, text *key,
 	bool		nulls[Natts_deliveries];
 	int			n = 0;
 
-	writer_open(&w, cached_deliveries);
+	writer_open(&w, PUBLISH_DELIVERIES);
 
 	memset(nulls, true, sizeof(nulls));
 	values[Anum_deliveries_event_id - 1] = UUIDPGetDatum(event_id);
@@ -500,7 +472,7 @@ outbox_fan_out(pg_uuid_t *event_id, int64 seq, text *topic, text *key,
 	nulls[Anum_deliveries_next_attempt_at - 1] = false;
 	nulls[Anum_deliveries_destination_id - 1] = false;
 
-	dests = table_open(cached_destinations, AccessShareLock);
+	dests = table_open(PUBLISH_DESTINATIONS, AccessShareLock);
 	snapshot = RegisterSnapshot(GetLatestSnapshot());
 	scan = table_beginscan(dests, snapshot, 0, NULL);
 	while ((tuple = heap_getnext(scan, ForwardScanDirection)) != NULL)
@@ -577,12 +549,13 @@ idem_publish(PG_FUNCTION_ARGS)
 						   size, outbox_max_event_bytes)));
 
 	PreventCommandIfReadOnly("idem_publish()");
-	outbox_resolve();
+	if (!idem_relcache_resolve(&publish_rels))
+		(void) outbox_relid("outbox_seq");	/* says which, and why */
 
 	/* The key's lock first, then the seq: same-key events commit in seq order. */
 	if (key != NULL)
 		outbox_key_lock(key);
-	seq = nextval_internal(cached_seq, false);
+	seq = nextval_internal(PUBLISH_SEQ, false);
 	now = GetCurrentTimestamp();
 	event_id = palloc(sizeof(pg_uuid_t));
 	outbox_uuid_v7(event_id, now);
@@ -598,7 +571,7 @@ idem_publish(PG_FUNCTION_ARGS)
 	nulls[Anum_outbox_headers - 1] = (headers == NULL);
 	values[Anum_outbox_published_at - 1] = TimestampTzGetDatum(now);
 
-	writer_open(&w, cached_outbox);
+	writer_open(&w, PUBLISH_OUTBOX);
 	writer_insert(&w, values, nulls);
 	writer_close(&w);
 

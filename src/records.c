@@ -58,72 +58,78 @@
 #define Anum_audit_note				9
 #define Natts_audit					9
 
-/*
- * Cached OIDs, looked up again after a relcache invalidation of either
- * relation (DROP/CREATE EXTENSION; also every ANALYZE or VACUUM).  The
- * callback only marks them stale: it runs whenever a lock is acquired, in
- * the middle of an operation that already holds the table open and uses
- * both OIDs, and clearing them there made the next use open OID 0.  The next
- * records_open looks them up again.
- */
-static Oid	records_relid = InvalidOid;
-static Oid	records_pkey_relid = InvalidOid;
-static bool records_stale = true;
+/* The registered sets of cached OIDs (idem_relcache_register). */
+static IdemRelCache *relcaches = NULL;
 
-/* Mark the cached OIDs stale when the table may have been dropped or rebuilt. */
+/* idempotency.records and its primary key. */
+static IdemRelCache records_rels = IDEM_RELCACHE(RECORDS_TABLE, RECORDS_PKEY);
+
+/* Mark every set that holds relid (or all, for a cache reset) stale. */
 static void
-records_relcache_callback(Datum arg, Oid relid)
+idem_relcache_callback(Datum arg, Oid relid)
 {
-	if (relid == InvalidOid || relid == records_relid ||
-		relid == records_pkey_relid)
-		records_stale = true;
+	for (IdemRelCache *c = relcaches; c != NULL; c = c->next)
+		for (int i = 0; i < c->nrels; i++)
+			if (relid == InvalidOid || relid == c->oids[i])
+				c->stale = true;
 }
 
-/* Register the cache callback; called once from _PG_init. */
+/* Register a set of cached OIDs; called from _PG_init, once per set. */
+void
+idem_relcache_register(IdemRelCache *cache)
+{
+	if (relcaches == NULL)
+		CacheRegisterRelcacheCallback(idem_relcache_callback, (Datum) 0);
+	cache->next = relcaches;
+	relcaches = cache;
+}
+
+/*
+ * Look the set's relations up again if it is stale.  False, with the set
+ * left stale, if one of them does not exist: the caller says why.
+ */
+bool
+idem_relcache_resolve(IdemRelCache *cache)
+{
+	Oid			nspid;
+
+	if (!cache->stale)
+		return true;
+	nspid = get_namespace_oid(RECORDS_SCHEMA, true);
+	for (int i = 0; i < cache->nrels; i++)
+	{
+		cache->oids[i] = OidIsValid(nspid) ? get_relname_relid(cache->names[i], nspid) : InvalidOid;
+		if (!OidIsValid(cache->oids[i]))
+			return false;
+	}
+	cache->stale = false;
+	return true;
+}
+
+/* Register the cached OIDs of idempotency.records; called once from _PG_init. */
 void
 RecordsInit(void)
 {
-	CacheRegisterRelcacheCallback(records_relcache_callback, (Datum) 0);
-}
-
-/* Look the table and its primary key up by name, with a clear error if the extension is absent. */
-static void
-records_resolve(void)
-{
-	Oid			nspid = get_namespace_oid(RECORDS_SCHEMA, true);
-
-	records_relid = InvalidOid;
-	records_pkey_relid = InvalidOid;
-	if (OidIsValid(nspid))
-	{
-		records_relid = get_relname_relid(RECORDS_TABLE, nspid);
-		records_pkey_relid = get_relname_relid(RECORDS_PKEY, nspid);
-	}
-	records_stale = false;
-	if (!OidIsValid(records_relid) || !OidIsValid(records_pkey_relid))
-	{
-		records_stale = true;
-		ereport(ERROR,
-				(errcode(ERRCODE_UNDEFINED_TABLE),
-				 errmsg("extension \"idempotency\" is not installed in this database"),
-				 errhint("Run CREATE EXTENSION idempotency.")));
-	}
+	idem_relcache_register(&records_rels);
 }
 
 /* Open idempotency.records with the given lock mode. */
 Relation
 records_open(LOCKMODE lockmode)
 {
-	if (records_stale)
-		records_resolve();
-	return table_open(records_relid, lockmode);
+	if (!idem_relcache_resolve(&records_rels))
+		ereport(ERROR,
+				(errcode(ERRCODE_UNDEFINED_TABLE),
+				 errmsg("extension \"idempotency\" is not installed in this database"),
+				 errhint("Run CREATE EXTENSION idempotency.")));
+	return table_open(records_rels.oids[0], lockmode);
 }
 
 /* Open the primary key of idempotency.records (after records_open) for lookups. */
 Relation
 records_open_pkey(void)
 {
-	return index_open(records_pkey_relid, AccessShareLock);
+	return index_open(records_rels.oids[1], AccessShareLock);
 }
 
 /* Text column as a palloc'd copy, or NULL. */

@@ -63,6 +63,33 @@ typedef struct IdemRecord
 	TimestampTz claimed_at;		/* when the current token was handed out */
 } IdemRecord;
 
+/*
+ * The OIDs of some of the extension's relations (schema idempotency), as a
+ * module caches them.  A relcache invalidation of one of them (DROP/CREATE
+ * EXTENSION, but also every ANALYZE or VACUUM) only marks the set stale: the
+ * callback runs whenever a lock is acquired, in the middle of an operation
+ * that already holds the relations open and still uses their OIDs, so it
+ * must not change them.  The next operation looks them up again with
+ * idem_relcache_resolve before it opens anything.
+ */
+#define IDEM_RELCACHE_MAX	4
+
+typedef struct IdemRelCache
+{
+	int			nrels;
+	const char *names[IDEM_RELCACHE_MAX];
+	Oid			oids[IDEM_RELCACHE_MAX];
+	bool		stale;			/* look them up again before the next use */
+	struct IdemRelCache *next;	/* the registered sets */
+} IdemRelCache;
+
+/* A set of relations by name, stale until first resolved. */
+#define IDEM_RELCACHE(...) \
+	{lengthof(((const char *[]) {__VA_ARGS__})), {__VA_ARGS__}, {InvalidOid}, true, NULL}
+
+extern void idem_relcache_register(IdemRelCache *cache);
+extern bool idem_relcache_resolve(IdemRelCache *cache);
+
 extern void RecordsInit(void);
 extern Relation records_open(LOCKMODE lockmode);
 extern Relation records_open_pkey(void);

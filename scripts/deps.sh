@@ -37,9 +37,15 @@ idem_install_deps() {
 # instead of the system one, and run its binaries, e.g. IDEM_DESTDIR=/tmp/pg4
 # after `cp -a /usr/lib/postgresql /tmp/pg4/usr/lib/` (and /usr/share/postgresql
 # to /tmp/pg4/usr/share/): PostgreSQL finds its share and lib directories
-# relative to its bin directory.  Unset, everything is as before.
+# relative to its bin directory; the copy is made here if it is missing.
+# Unset, everything is as before.
 idem_pg_env() {
 	export PG_CONFIG=/usr/lib/postgresql/15/bin/pg_config
+	if [ -n "${IDEM_DESTDIR:-}" ] && [ ! -d "$IDEM_DESTDIR/usr/lib/postgresql" ]; then
+		mkdir -p "$IDEM_DESTDIR/usr/lib" "$IDEM_DESTDIR/usr/share"
+		cp -a /usr/lib/postgresql "$IDEM_DESTDIR/usr/lib/"
+		cp -a /usr/share/postgresql "$IDEM_DESTDIR/usr/share/"
+	fi
 	PG_BINDIR=${IDEM_DESTDIR:-}$("$PG_CONFIG" --bindir)
 	PGXS_DIR=$(cd "$(dirname "$("$PG_CONFIG" --pgxs)")/../.." && pwd)
 	export PG_BINDIR PGXS_DIR

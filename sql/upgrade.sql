@@ -1,8 +1,9 @@
 --
 -- The upgrade path: an installation of version 1.0 gets multi-phase
 -- operations, the inbox, the statistics and idem_cleanup with ALTER
--- EXTENSION UPDATE, keeping its records.  Runs in a database of its own,
--- since the test database already has the current version.
+-- EXTENSION UPDATE to 1.1, then the 1.2 changes, keeping its records.  Runs
+-- in a database of its own, since the test database already has the current
+-- version.
 --
 SELECT extversion FROM pg_extension WHERE extname = 'idempotency';
 SELECT default_version FROM pg_available_extensions WHERE name = 'idempotency';
@@ -57,6 +58,12 @@ SELECT cleanup_runs, last_cleanup_at, last_cleanup_duration, cleanup_lag, expire
 SELECT idem_cleanup();
 SELECT cleanup_runs, last_cleanup_at IS NOT NULL AS has_last_cleanup, expired_processing
   FROM idem_stats WHERE datname = current_database();
+
+-- Version 1.2.
+ALTER EXTENSION idempotency UPDATE TO '1.2';
+SELECT extversion FROM pg_extension WHERE extname = 'idempotency';
+SELECT outcome, body FROM idem_claim('upgrade:POST /x', 'k1', '{"a": 1}');
+
 CREATE VIEW extension_objects AS
 SELECT pg_describe_object(classid, objid, objsubid) AS object
   FROM pg_depend
@@ -69,7 +76,7 @@ SELECT has_function_privilege('public', 'idem_inbox_accept(text, text, interval)
        has_function_privilege('public', 'idem_stats_reset()', 'EXECUTE') AS reset_public,
        has_function_privilege('public', 'idem_cleanup(int4)', 'EXECUTE') AS cleanup_public;
 
--- A fresh install (1.0 then the upgrade) ends up with the same objects.
+-- A fresh install (1.0 then the upgrades) ends up with the same objects.
 DROP EXTENSION idempotency;
 CREATE EXTENSION idempotency;
 SELECT extversion FROM pg_extension WHERE extname = 'idempotency';

@@ -150,6 +150,17 @@ claim_log_recount(void)
 		claims_unfinished += (claim_log[i].state == CLAIM_HELD) ? 1 : -1;
 }
 
+/*
+ * Whether this transaction holds a claim that has neither a response nor a
+ * release: the relay asks after a destination function returns, since the
+ * commit guard would otherwise fail the relay's own transaction.
+ */
+bool
+claims_pending(void)
+{
+	return claims_unfinished > 0;
+}
+
 /* Refuse to commit or prepare while a claim has neither a response nor a release. */
 static void
 claims_check_finished(void)

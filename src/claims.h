@@ -55,6 +55,7 @@ typedef struct ClaimAnswer
 } ClaimAnswer;
 
 extern void ClaimsInit(void);
+extern bool claims_pending(void);
 
 extern text *claim_arg_text(FunctionCallInfo fcinfo, int argno, const char *name);
 extern void claim_scope_key_args(FunctionCallInfo fcinfo, text **scope, text **key);

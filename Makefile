@@ -15,7 +15,7 @@ SHLIB_LINK += -lcrypto -lcurl
 # Test inputs follow the contrib layout: sql/ and expected/ for pg_regress,
 # specs/ for pg_isolation_regress, t/ for TAP.  test/run.sh runs them all on a
 # throwaway cluster; REGRESS and ISOLATION also serve `make installcheck`.
-REGRESS = canonical claim errors commit_guard expiry execute privileges phases contract_tap
+REGRESS = canonical claim errors commit_guard expiry execute privileges ownership phases contract_tap
 # Background worker, inbox and statistics
 REGRESS += inbox stats
 # Transactional outbox and relay
@@ -27,6 +27,9 @@ ISOLATION = $(patsubst specs/%.spec,%,$(sort $(wildcard specs/*.spec)))
 PG_CONFIG ?= pg_config
 PGXS := $(shell $(PG_CONFIG) --pgxs)
 include $(PGXS)
+
+# Every object depends on every header: a changed declaration rebuilds all.
+$(OBJS): $(wildcard src/*.h)
 
 # test/run.sh asks for the test lists.
 print-%:

@@ -14,11 +14,97 @@
 -- never repeat, the lock key.
 -- ---------------------------------------------------------------------------
 
+/*
+ * The role that claimed a record (current_user at the claim): only it, the
+ * roles that have its privileges, and superusers may replay, complete,
+ * checkpoint, extend, release or take over the record.  Records written
+ * before 1.2 have none and stay open to every role until they expire.
+ * regrole, so that pg_dump writes the role's name, not its OID.  Column
+ * order matters to src/records.h (Anum_records_*).
+ */
+ALTER TABLE idempotency.records ADD COLUMN owner pg_catalog.regrole;
+
+/*
+ * Fencing tokens of multi-phase operations, for the whole database: a token
+ * is never handed out twice for a key, even after its record expired and was
+ * deleted.  Version 1.1 counted tokens per key from 1; starting above 2^32
+ * keeps every token it handed out from coming back.  Dumped, so that a
+ * restore goes on from where the tokens were.
+ */
+CREATE SEQUENCE idempotency.tokens AS pg_catalog.int8 START WITH 4294967296;
+SELECT pg_catalog.pg_extension_config_dump('idempotency.tokens', '');
+
+/*
+ * The key of the hash that maps a key to its advisory lock (src/lockhash.c):
+ * 128 random bits, so that nobody outside can compute which keys share a
+ * lock.  Not dumped: a restored database draws a new one, which is as good.
+ */
+CREATE TABLE idempotency.lock_key (
+	key		pg_catalog.bytea NOT NULL
+);
+INSERT INTO idempotency.lock_key
+SELECT pg_catalog.substring(
+		 pg_catalog.sha256(pg_catalog.uuid_send(pg_catalog.gen_random_uuid())
+						   OPERATOR(pg_catalog.||)
+						   pg_catalog.uuid_send(pg_catalog.gen_random_uuid())),
+		 1, 16);
+
+/* The audit names the role a resolution ran as, and who had logged in. */
+ALTER TABLE idempotency.audit ADD COLUMN session_actor pg_catalog.text;
+CREATE OR REPLACE VIEW idem_audit AS
+SELECT at, actor, action, scope, key, token_before, token_after, status, note,
+	   session_actor
+  FROM idempotency.audit;
+
+/* Operators see whose operation is stuck. */
+CREATE OR REPLACE VIEW idem_stuck AS
+SELECT scope, key, token, recovery_point,
+	   pg_catalog.now() OPERATOR(pg_catalog.-) COALESCE(claimed_at, created_at) AS owner_age,
+	   pg_catalog.now() OPERATOR(pg_catalog.-) lease_expires_at AS lease_expired_for,
+	   lease_expires_at, created_at, owner
+  FROM idempotency.records
+ WHERE state OPERATOR(pg_catalog.=) 'processing'
+   AND lease_expires_at OPERATOR(pg_catalog.<)
+	   (pg_catalog.now() OPERATOR(pg_catalog.-)
+		COALESCE(pg_catalog.current_setting('idempotency.stuck_after', true), '5min')::pg_catalog.interval);
+
+/* idem_stats gains the count of calls refused another role's key (42501). */
+DROP VIEW @extschema@.idem_stats;
+DROP FUNCTION @extschema@.idem_stats();
+CREATE FUNCTION idem_stats(
+	OUT datname name,
+	OUT claims int8,
+	OUT replays int8,
+	OUT mismatches int8,
+	OUT in_progress int8,
+	OUT takeovers int8,
+	OUT fenced int8,
+	OUT denied int8,
+	OUT releases int8,
+	OUT inbox_accepted int8,
+	OUT inbox_duplicates int8,
+	OUT cleanup_runs int8,
+	OUT rows_deleted int8,
+	OUT last_cleanup_at timestamptz,
+	OUT last_cleanup_duration interval,
+	OUT cleanup_lag interval,
+	OUT expired_processing int8,
+	OUT worker_pid int4,
+	OUT stats_reset timestamptz)
+RETURNS SETOF record
+AS 'MODULE_PATHNAME', 'idem_stats'
+LANGUAGE C VOLATILE PARALLEL RESTRICTED;
+CREATE VIEW idem_stats AS SELECT * FROM @extschema@.idem_stats();
+GRANT SELECT ON @extschema@.idem_stats TO PUBLIC;
+
 -- (end of records section)
 
 -- ---------------------------------------------------------------------------
 -- Inbox.
 -- ---------------------------------------------------------------------------
+
+/* The role that accepted a message; NULL for marks written before 1.2. */
+ALTER TABLE idempotency.inbox ADD COLUMN owner pg_catalog.regrole;
 
 -- (end of inbox section)
 

@@ -88,7 +88,7 @@ SELECT outcome FROM idem_claim('tenant-42:POST /x', 'key-7', '{"a": "x", "b": [1
 -- idem_replay: the "what happened to my request?" lookup.
 SELECT state, status, headers, body,
        completed_at >= created_at AS completed_after_created,
-       expires_at - created_at AS ttl
+       expires_at - completed_at AS ttl
   FROM idem_replay('tenant-42:POST /payments', 'key-1');
 SELECT count(*) FROM idem_replay('tenant-42:POST /payments', 'no-such-key');
 SELECT count(*) FROM idem_replay('tenant-99:POST /payments', 'key-1');
@@ -107,7 +107,7 @@ SELECT outcome FROM idem_claim('tenant-42:POST /payments', 'key-1 ', '{"amount":
 ROLLBACK;
 
 -- What was stored: one row per operation, token 1, the default TTL of 1 day.
-SELECT scope, left(key, 20) AS key, length(key), state, status, token, expires_at - created_at AS ttl
+SELECT scope, left(key, 20) AS key, length(key), state, status, token, expires_at - completed_at AS ttl
   FROM idempotency.records ORDER BY scope, key;
 SELECT count(*) AS payments FROM payments;
 DROP TABLE payments;

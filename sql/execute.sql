@@ -112,7 +112,7 @@ SELECT k, (r).status, (r).body
 
 -- An explicit ttl is honoured.
 SELECT status FROM idem_execute('bank:POST /transfers', 'x-6', '{"amount": 9}', 'create_transfer(jsonb)', '1 hour');
-SELECT expires_at - created_at AS ttl FROM idem_replay('bank:POST /transfers', 'x-6');
+SELECT expires_at - completed_at AS ttl FROM idem_replay('bank:POST /transfers', 'x-6');
 
 SELECT count(*) AS transfers FROM transfers;
 DROP FUNCTION create_transfer(jsonb), flaky_transfer(jsonb), bad_status(jsonb),

@@ -3,10 +3,32 @@
 -- points, takeover, downstream keys and resolving stuck operations.  Races are
 -- in specs/phases_*.spec, crashes in t/002_three_phase_crash.pl.
 --
+-- Tokens come from a database-wide sequence: the test keeps them in psql
+-- variables (t1, t2, ...) and shows how they compare, not their values.
+-- Errors that quote a token are shown through show_error(), which writes
+-- <token> for it.
+--
 CREATE TABLE orders (id serial PRIMARY KEY, op text, charge text);
+CREATE FUNCTION show_error(statement text) RETURNS text LANGUAGE plpgsql AS $$
+DECLARE
+	state text;
+	message text;
+	detail text;
+BEGIN
+	EXECUTE statement;
+	RETURN 'no error';
+EXCEPTION WHEN OTHERS THEN
+	GET STACKED DIAGNOSTICS state = RETURNED_SQLSTATE, message = MESSAGE_TEXT,
+							detail = PG_EXCEPTION_DETAIL;
+	RETURN regexp_replace(state || ': ' || message || coalesce(' DETAIL: ' || nullif(detail, ''), ''),
+						  '\m[0-9]{10,}\M', '<token>', 'g');
+END $$;
 
 -- A multi-phase claim commits on its own: no commit guard, state 'processing'.
-SELECT outcome, token, recovery_point FROM idem_claim('shop:POST /checkout', 'c-1', '{"cart": 7}', lease => '1 hour');
+-- Its token is one no claim of this key ever had (it does not start at 1).
+SELECT outcome, token AS t1, token > 1 AS fresh_token, coalesce(recovery_point, '(none)') AS recovery_point
+  FROM idem_claim('shop:POST /checkout', 'c-1', '{"cart": 7}', lease => '1 hour') \gset
+SELECT :'outcome' AS outcome, :'fresh_token' AS fresh_token, :'recovery_point' AS recovery_point;
 SELECT state, status FROM idem_replay('shop:POST /checkout', 'c-1');
 
 -- A duplicate while the owner's lease lives: in_progress, retry_after = lease left.
@@ -18,7 +40,7 @@ SELECT outcome FROM idem_claim('shop:POST /checkout', 'c-1', '{"cart": 8}', leas
 -- Phase 1: a domain write and its recovery point commit together.
 BEGIN;
 INSERT INTO orders (op) VALUES ('c-1');
-SELECT idem_checkpoint('shop:POST /checkout', 'c-1', 1, 'order_created');
+SELECT idem_checkpoint('shop:POST /checkout', 'c-1', :t1, 'order_created');
 COMMIT;
 
 -- The key an external provider gets for the charge: the same for every
@@ -31,80 +53,87 @@ SELECT :'charge_key' ~ '^[0-9a-f]{8}-[0-9a-f]{4}-8[0-9a-f]{3}-[89ab][0-9a-f]{3}-
        idem_downstream_key('a', 'bc', 'x') <> idem_downstream_key('ab', 'c', 'x') AS unambiguous;
 
 -- Heartbeat for a long phase; the owner's token is still current.
-SELECT idem_extend('shop:POST /checkout', 'c-1', 1, '2 hours') > now() + interval '1 hour' AS extended;
+SELECT idem_extend('shop:POST /checkout', 'c-1', :t1, '2 hours') > now() + interval '1 hour' AS extended;
 
 -- The owner gives up: idem_release ends its lease now (a crashed owner's
--- lease simply runs out).  The retry takes over: token 2, resuming from the
--- recovery point of phase 1.
+-- lease simply runs out).  The retry takes over with a later token, resuming
+-- from the recovery point of phase 1.
 BEGIN;
-SELECT idem_release('shop:POST /checkout', 'c-1', 1);
+SELECT idem_release('shop:POST /checkout', 'c-1', :t1);
 COMMIT;
-SELECT outcome, token, recovery_point FROM idem_claim('shop:POST /checkout', 'c-1', '{"cart": 7}', lease => '1 hour');
+SELECT outcome, token AS t2, coalesce(recovery_point, '(none)') AS recovery_point
+  FROM idem_claim('shop:POST /checkout', 'c-1', '{"cart": 7}', lease => '1 hour') \gset
+SELECT :'outcome' AS outcome, :t2 > :t1 AS later_token, :'recovery_point' AS recovery_point;
 
 -- The old owner wakes up: every token-carrying call is fenced (IK001) and its
 -- transaction, with the write in it, rolls back.
 BEGIN;
 UPDATE orders SET charge = 'charged-by-old-owner' WHERE op = 'c-1';
-SELECT idem_checkpoint('shop:POST /checkout', 'c-1', 1, 'charged');
-\echo :SQLSTATE
+\set VERBOSITY sqlstate
+SELECT idem_checkpoint('shop:POST /checkout', 'c-1', :t1, 'charged');
+\set VERBOSITY default
 ROLLBACK;
-SELECT idem_succeed('shop:POST /checkout', 'c-1', 201, '{"old": true}', token => 1);
-\echo :SQLSTATE
-SELECT idem_extend('shop:POST /checkout', 'c-1', 1, '1 hour');
-\echo :SQLSTATE
-SELECT idem_release('shop:POST /checkout', 'c-1', 1);
-\echo :SQLSTATE
+SELECT show_error(format('SELECT idem_checkpoint(%L, %L, %s, %L)', 'shop:POST /checkout', 'c-1', :t1, 'charged'));
+SELECT show_error(format('SELECT idem_succeed(%L, %L, 201, %L, token => %s)', 'shop:POST /checkout', 'c-1', '{"old": true}', :t1));
+SELECT show_error(format('SELECT idem_extend(%L, %L, %s, %L)', 'shop:POST /checkout', 'c-1', :t1, '1 hour'));
+SELECT show_error(format('SELECT idem_release(%L, %L, %s)', 'shop:POST /checkout', 'c-1', :t1));
 SELECT charge FROM orders WHERE op = 'c-1';
 
 -- The new owner finishes: phase 2, then the final response.
 BEGIN;
 UPDATE orders SET charge = :'charge_key' WHERE op = 'c-1';
-SELECT idem_checkpoint('shop:POST /checkout', 'c-1', 2, 'charged');
+SELECT idem_checkpoint('shop:POST /checkout', 'c-1', :t2, 'charged');
 COMMIT;
-SELECT idem_succeed('shop:POST /checkout', 'c-1', 201, '{"order": 1}', '{"Location": "/orders/1"}', token => 2);
+SELECT idem_succeed('shop:POST /checkout', 'c-1', 201, '{"order": 1}', '{"Location": "/orders/1"}', token => :t2);
 SELECT outcome, status, headers, body FROM idem_claim('shop:POST /checkout', 'c-1', '{"cart": 7}', lease => '1 hour');
 SELECT state, status, body, expires_at - completed_at AS ttl_from_completion
   FROM idem_replay('shop:POST /checkout', 'c-1');
-SELECT key, state, token, recovery_point FROM idempotency.records WHERE key = 'c-1';
+SELECT key, state, token = :t2 AS token_t2, recovery_point FROM idempotency.records WHERE key = 'c-1';
 -- Completed: further token calls are refused (55000).
-SELECT idem_checkpoint('shop:POST /checkout', 'c-1', 2, 'again');
+SELECT idem_checkpoint('shop:POST /checkout', 'c-1', :t2, 'again');
 \echo :SQLSTATE
 
 -- A claim without a lease cannot take over a multi-phase operation (55000).
-SELECT outcome FROM idem_claim('shop:POST /checkout', 'c-3', '{}', lease => '1 hour');
-SELECT idem_release('shop:POST /checkout', 'c-3', 1);
+SELECT token AS c3_t1 FROM idem_claim('shop:POST /checkout', 'c-3', '{}', lease => '1 hour') \gset
+SELECT idem_release('shop:POST /checkout', 'c-3', :c3_t1);
 BEGIN;
 SELECT outcome FROM idem_claim('shop:POST /checkout', 'c-3', '{}');
 \echo :SQLSTATE
 ROLLBACK;
 -- With a lease it can; a release keeps the recovery point (none here).
-SELECT outcome, token, recovery_point FROM idem_claim('shop:POST /checkout', 'c-3', '{}', lease => '1 hour');
+SELECT outcome, token AS c3_t2, coalesce(recovery_point, '(none)') AS recovery_point
+  FROM idem_claim('shop:POST /checkout', 'c-3', '{}', lease => '1 hour') \gset
+SELECT :'outcome' AS outcome, :c3_t2 > :c3_t1 AS later_token, :'recovery_point' AS recovery_point;
 
 -- Stuck operations: processing, lease expired more than
 -- idempotency.stuck_after ago, nobody retrying.
-SELECT outcome FROM idem_claim('shop:POST /checkout', 'c-4', '{}', lease => '1 hour');
-SELECT idem_checkpoint('shop:POST /checkout', 'c-4', 1, 'charge_sent');
-SELECT idem_release('shop:POST /checkout', 'c-4', 1);
+SELECT token AS c4_t1 FROM idem_claim('shop:POST /checkout', 'c-4', '{}', lease => '1 hour') \gset
+SELECT idem_checkpoint('shop:POST /checkout', 'c-4', :c4_t1, 'charge_sent');
+SELECT idem_release('shop:POST /checkout', 'c-4', :c4_t1);
 SET idempotency.stuck_after = '1h';
 SELECT count(*) FROM idem_stuck WHERE key = 'c-4';
 SET idempotency.stuck_after = 0;
-SELECT scope, key, token, recovery_point, owner_age >= '0' AS has_owner_age,
-       lease_expired_for >= '0' AS has_expired_for
+SELECT scope, key, token = :c4_t1 AS token_c4_t1, recovery_point, owner_age >= '0' AS has_owner_age,
+       lease_expired_for >= '0' AS has_expired_for, owner = current_user::regrole AS mine
   FROM idem_stuck ORDER BY key;
 RESET idempotency.stuck_after;
 
 -- An operator resolves c-4 with the outcome found at the provider: the token
 -- moves on (fencing the old owner), the response is stored, the action audited.
 SELECT idem_resolve_complete('shop:POST /checkout', 'c-4', 201, '{"reconciled": true}',
-                             note => 'charge found in the gateway dashboard') AS new_token;
+                             note => 'charge found in the gateway dashboard') AS c4_t2 \gset
+SELECT :c4_t2 > :c4_t1 AS later_token;
 SELECT outcome, status, body FROM idem_claim('shop:POST /checkout', 'c-4', '{}', lease => '1 hour');
-SELECT idem_checkpoint('shop:POST /checkout', 'c-4', 1, 'late');
-\echo :SQLSTATE
+SELECT show_error(format('SELECT idem_checkpoint(%L, %L, %s, %L)', 'shop:POST /checkout', 'c-4', :c4_t1, 'late'));
 -- ... and releases c-3 so that the next retry starts over from its recovery point.
-SELECT idem_release('shop:POST /checkout', 'c-3', 2);
-SELECT idem_resolve_release('shop:POST /checkout', 'c-3', 'customer asked to retry') AS new_token;
-SELECT outcome, token FROM idem_claim('shop:POST /checkout', 'c-3', '{}', lease => '1 hour');
-SELECT actor = session_user AS by_me, action, scope, key, token_before, token_after, status, note
+SELECT idem_release('shop:POST /checkout', 'c-3', :c3_t2);
+SELECT idem_resolve_release('shop:POST /checkout', 'c-3', 'customer asked to retry') AS c3_t3 \gset
+SELECT outcome, token AS c3_t4 FROM idem_claim('shop:POST /checkout', 'c-3', '{}', lease => '1 hour') \gset
+SELECT :'outcome' AS outcome, :c3_t3 > :c3_t2 AND :c3_t4 > :c3_t3 AS later_tokens;
+SELECT actor = current_user AS by_me, session_actor = session_user AS logged_in_as_me, action, scope, key,
+       token_before = CASE key WHEN 'c-4' THEN :c4_t1 ELSE :c3_t2 END AS token_before_ok,
+       token_after = CASE key WHEN 'c-4' THEN :c4_t2 ELSE :c3_t3 END AS token_after_ok,
+       status, note
   FROM idem_audit ORDER BY at;
 -- Only a stuck operation can be resolved: a live lease (55000), a completed
 -- operation (55000), an unknown key (42704).
@@ -121,15 +150,21 @@ SELECT idem_checkpoint('shop:POST /checkout', 'nope', 1, 'x');
 \echo :SQLSTATE
 SELECT idem_checkpoint('shop:POST /checkout', 'c-3', NULL, 'x');
 \echo :SQLSTATE
-SELECT idem_checkpoint('shop:POST /checkout', 'c-3', 3, NULL);
+SELECT idem_checkpoint('shop:POST /checkout', 'c-3', :c3_t4, NULL);
 \echo :SQLSTATE
-SELECT idem_extend('shop:POST /checkout', 'c-3', 3, '-1 minute');
+SELECT idem_checkpoint('shop:POST /checkout', 'c-3', :c3_t4, repeat('x', 1025));
 \echo :SQLSTATE
-SELECT idem_extend('shop:POST /checkout', 'c-3', 3, NULL);
+SELECT idem_extend('shop:POST /checkout', 'c-3', :c3_t4, '-1 minute');
+\echo :SQLSTATE
+SELECT idem_extend('shop:POST /checkout', 'c-3', :c3_t4, NULL);
+\echo :SQLSTATE
+SELECT idem_extend('shop:POST /checkout', 'c-3', :c3_t4, '300000 years');
 \echo :SQLSTATE
 SELECT idem_release('shop:POST /checkout', 'c-3', NULL::bigint);
 \echo :SQLSTATE
-SELECT idem_succeed('shop:POST /checkout', 'c-3', 700, token => 4);
+SELECT idem_succeed('shop:POST /checkout', 'c-3', 700, token => :c3_t4);
+\echo :SQLSTATE
+SELECT idem_resolve_release('shop:POST /checkout', 'c-3', repeat('n', 4097));
 \echo :SQLSTATE
 SELECT * FROM idem_claim('shop:POST /checkout', 'c-5', '{}', lease => '0 s');
 \echo :SQLSTATE
@@ -145,9 +180,51 @@ SELECT count(*) = :records_before AS nothing_written FROM idempotency.records;
 
 -- Token calls need a writable transaction.
 BEGIN READ ONLY;
-SELECT idem_checkpoint('shop:POST /checkout', 'c-3', 3, 'x');
+SELECT idem_checkpoint('shop:POST /checkout', 'c-3', :c3_t4, 'x');
 \echo :SQLSTATE
 ROLLBACK;
 
+-- A lease of a century: the duplicate's retry_after is capped, not wrapped
+-- around (it used to come out as 1).
+SELECT token AS c8_t1 FROM idem_claim('shop:POST /checkout', 'c-8', '{}', lease => '100 years') \gset
+SELECT outcome, retry_after FROM idem_claim('shop:POST /checkout', 'c-8', '{}', lease => '1 hour');
+
+-- Completing moves expiry to completion + ttl; where that would pass the
+-- last timestamp PostgreSQL can store, it is refused (22008) rather than
+-- stored as a value that pg_dump would write out and a restore would refuse.
+SET timezone = 'UTC';
+SELECT token AS c6_t1
+  FROM idem_claim('shop:POST /checkout', 'c-6', '{}', lease => '1 hour',
+                  ttl => '294276-12-31 23:59:59.999999 UTC'::timestamptz - clock_timestamp() - interval '0.5 s') \gset
+SELECT pg_sleep(0.6);
+SELECT idem_succeed('shop:POST /checkout', 'c-6', 200, token => :c6_t1);
+\echo :SQLSTATE
+SELECT state, status FROM idempotency.records WHERE key = 'c-6';
+RESET timezone;
+
+-- Tokens never come back for a key, across expiry and cleanup: the owner of
+-- an operation that was taken over, completed, expired and deleted cannot
+-- complete the next operation of the same key with its old token.  (Tokens
+-- used to be counted from 1 per record, so the zombie's token 1 was valid
+-- again.)
+SELECT token AS z1 FROM idem_claim('shop:POST /checkout', 'c-7', '{}', ttl => '1 s', lease => '1 hour') \gset
+SELECT idem_release('shop:POST /checkout', 'c-7', :z1);
+SELECT token AS z2 FROM idem_claim('shop:POST /checkout', 'c-7', '{}', ttl => '1 s', lease => '1 hour') \gset
+SELECT idem_succeed('shop:POST /checkout', 'c-7', 200, '{"by": "second owner"}', token => :z2);
+SELECT pg_sleep(1.1);
+SELECT idem_cleanup() > 0 AS cleaned;
+SELECT count(*) AS c7_records FROM idempotency.records WHERE key = 'c-7';
+SELECT token AS z3 FROM idem_claim('shop:POST /checkout', 'c-7', '{}', lease => '1 hour') \gset
+SELECT :z3 <> :z1 AND :z3 <> :z2 AS new_token;
+SELECT show_error(format('SELECT idem_succeed(%L, %L, 200, %L, token => %s)',
+                         'shop:POST /checkout', 'c-7', '{"by": "zombie"}', :z1));
+SELECT idem_succeed('shop:POST /checkout', 'c-7', 200, '{"by": "third owner"}', token => :z3);
+SELECT body FROM idem_replay('shop:POST /checkout', 'c-7');
+
+-- The longest recovery point is kept whole.
+SELECT idem_checkpoint('shop:POST /checkout', 'c-3', :c3_t4, repeat('x', 1024));
+SELECT length(recovery_point) FROM idempotency.records WHERE key = 'c-3';
+
 SELECT op, charge IS NOT NULL AS charged FROM orders ORDER BY op;
 DROP TABLE orders;
+DROP FUNCTION show_error(text);

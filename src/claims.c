@@ -23,6 +23,14 @@
  * cannot see must not decide the outcome, so that case is a serialization
  * failure.  On a hot standby no lock is taken: replays work, claims do not.
  *
+ * Time is the clock's (GetCurrentTimestamp), not the statement's start: a
+ * claim made late in a long procedure must not create a record that has
+ * already expired.  A record's ttl counts from when its response is stored.
+ *
+ * A record remembers the role that claimed it.  Another role that meets a
+ * live record of the key -- to replay it, to be told it mismatches or is in
+ * progress, or to take it over -- gets 42501 and learns nothing else.
+ *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
@@ -34,7 +42,6 @@
 #include "access/table.h"
 #include "access/xlog.h"
 #include "access/xact.h"
-#include "common/hashfn.h"
 #include "funcapi.h"
 #include "miscadmin.h"
 #include "storage/lmgr.h"
@@ -48,6 +55,7 @@
 
 #include "claims.h"
 #include "fingerprint.h"
+#include "lockhash.h"
 #include "stats.h"
 
 int			idem_wait_timeout = 5000;
@@ -74,7 +82,8 @@ typedef struct ClaimEntry
 	text	   *key;
 	bytea	   *fingerprint;
 	TimestampTz created_at;
-	TimestampTz expires_at;
+	int64		ttl;			/* microseconds, from idem_succeed on */
+	Oid			owner;			/* the role that claimed it */
 	int64		token;
 	ClaimState	state;
 	int			nest_level;		/* subtransaction level of the change */
@@ -360,14 +369,24 @@ claim_interval_end(FunctionCallInfo fcinfo, int argno, TimestampTz now,
 	return end;
 }
 
+/*
+ * The ttl argument argno in microseconds (as long as it lasts from now), or
+ * idempotency.default_ttl when it is NULL.
+ */
+int64
+claim_ttl(FunctionCallInfo fcinfo, int argno, TimestampTz now)
+{
+	TimestampTz expires_at = claim_interval_end(fcinfo, argno, now, "ttl");
+
+	return expires_at != 0 ? expires_at - now :
+		(int64) idem_default_ttl * USECS_PER_SEC;
+}
+
 /* Expiry time from the ttl argument, or from idempotency.default_ttl when it is NULL. */
 TimestampTz
 claim_expiry(FunctionCallInfo fcinfo, int argno, TimestampTz now)
 {
-	TimestampTz expires_at = claim_interval_end(fcinfo, argno, now, "ttl");
-
-	return expires_at != 0 ? expires_at :
-		now + (int64) idem_default_ttl * USECS_PER_SEC;
+	return idem_timestamp_add(now, claim_ttl(fcinfo, argno, now), "expiry time");
 }
 
 /* Validate a response before it is stored: status range, headers an object, size cap. */
@@ -398,21 +417,15 @@ claim_check_response(int32 status, Jsonb *body, Jsonb *headers)
 }
 
 /*
- * The advisory lock tag of (scope, key) in this database.  The cleanup worker
- * takes the same lock, without waiting, before it deletes an expired record,
- * so it never deletes a record under a claim in flight.
+ * The advisory lock tag of (scope, key) in this database (lockhash.c), to be
+ * computed once idempotency.records is open.  The cleanup worker takes the
+ * same lock, without waiting, before it deletes an expired record, so it
+ * never deletes a record under a claim in flight.
  */
 void
 claim_locktag(LOCKTAG *tag, text *scope, text *key)
 {
-	uint64		h;
-
-	h = hash_bytes_extended((const unsigned char *) VARDATA_ANY(scope),
-							VARSIZE_ANY_EXHDR(scope), 0);
-	h = hash_bytes_extended((const unsigned char *) VARDATA_ANY(key),
-							VARSIZE_ANY_EXHDR(key), h);
-	SET_LOCKTAG_ADVISORY(*tag, MyDatabaseId, (uint32) (h >> 32), (uint32) h,
-						 IDEM_LOCK_CLASS);
+	idem_lock_tag(tag, IDEM_LOCK_CLASS, scope, key);
 }
 
 /*
@@ -485,6 +498,7 @@ claim_lock_try(const LOCKTAG *tag, bool *already_held, ResourceOwner *owner)
 /*
  * Hold the key's lock until the end of the transaction, as every writer of a
  * record does; waits up to idempotency.wait_timeout, then fails with 55P03.
+ * The caller has opened idempotency.records.
  */
 void
 claim_lock_hold(text *scope, text *key, const char *caller)
@@ -554,9 +568,11 @@ answer_from_record(IdemRecord *rec, bytea *fingerprint, TimestampTz now,
 	}
 	else
 	{
+		/* Seconds, at least 1; a lease of decades must not overflow. */
+		double		seconds = ceil((rec->lease_expires_at - now) / (double) USECS_PER_SEC);
+
 		answer->outcome = CLAIM_IN_PROGRESS;
-		answer->retry_after = Max(1, (int32) ceil((rec->lease_expires_at - now) /
-												 (double) USECS_PER_SEC));
+		answer->retry_after = (int32) Max(1.0, Min(seconds, (double) PG_INT32_MAX));
 	}
 }
 
@@ -574,13 +590,14 @@ count_outcome(const ClaimAnswer *answer)
 	idem_stats_count(counters[answer->outcome]);
 }
 
-/* Take over a multi-phase operation whose lease expired: the next token, a new lease. */
+/*
+ * Take over a multi-phase operation whose lease expired: the next token, a
+ * new lease.  rel is idempotency.records, open.
+ */
 static void
-claim_takeover(text *scope, text *key, IdemRecord *rec, TimestampTz now,
-			   TimestampTz lease_expires_at, ClaimAnswer *answer)
+claim_takeover(Relation rel, text *scope, text *key, IdemRecord *rec,
+			   TimestampTz now, TimestampTz lease_expires_at, ClaimAnswer *answer)
 {
-	Relation	rel;
-
 	if (lease_expires_at == 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
@@ -589,13 +606,11 @@ claim_takeover(text *scope, text *key, IdemRecord *rec, TimestampTz now,
 				 errdetail("Its owner's lease expired; only a claim with a lease can take it over."),
 				 errhint("Pass a lease to idem_claim().")));
 
-	rec->token++;
+	rec->token = records_next_token();
 	rec->has_lease = true;
 	rec->lease_expires_at = lease_expires_at;
 	rec->claimed_at = now;
-	rel = records_open(RowExclusiveLock);
 	records_update(rel, scope, key, rec);
-	table_close(rel, RowExclusiveLock);
 
 	answer->outcome = CLAIM_CLAIMED;
 	answer->token = rec->token;
@@ -603,42 +618,49 @@ claim_takeover(text *scope, text *key, IdemRecord *rec, TimestampTz now,
 	idem_stats_count(IDEM_STAT_TAKEOVERS);
 }
 
-/* Start a multi-phase operation: its 'processing' record commits with this transaction. */
+/*
+ * Start a multi-phase operation: its 'processing' record commits with this
+ * transaction, with a token no earlier claim of the key ever had.
+ */
 static void
-claim_multi_phase(text *scope, text *key, bytea *fingerprint, TimestampTz now,
-				  TimestampTz expires_at, TimestampTz lease_expires_at,
+claim_multi_phase(Relation rel, text *scope, text *key, bytea *fingerprint,
+				  TimestampTz now, int64 ttl, TimestampTz lease_expires_at,
 				  ClaimAnswer *answer)
 {
 	IdemRecord	rec;
-	Relation	rel;
 
 	memset(&rec, 0, sizeof(rec));
 	rec.completed = false;
 	rec.fingerprint = fingerprint;
-	rec.token = 1;
+	rec.token = records_next_token();
 	rec.has_lease = true;
 	rec.lease_expires_at = lease_expires_at;
 	rec.created_at = now;
 	rec.claimed_at = now;
-	rec.expires_at = expires_at;
-	rel = records_open(RowExclusiveLock);
+	rec.expires_at = idem_timestamp_add(now, ttl, "expiry time");
+	rec.owner = GetUserId();
 	records_insert(rel, scope, key, &rec);
-	table_close(rel, RowExclusiveLock);
 
 	answer->outcome = CLAIM_CLAIMED;
-	answer->token = 1;
+	answer->token = rec.token;
 }
 
 /*
  * Claim (scope, key), or say why not.  See the file header for the
- * protocol.  lease is 0 for a claim that completes in this transaction, else
- * the length of a multi-phase claim's lease in microseconds: it starts when
- * the claim is granted, after any wait for the key.
+ * protocol.  ttl is how long the record lives after its response is stored,
+ * in microseconds.  lease is 0 for a claim that completes in this
+ * transaction, else the length of a multi-phase claim's lease in
+ * microseconds: it starts when the claim is granted, after any wait for the
+ * key.
+ *
+ * The table and its index stay locked until the transaction ends (closed
+ * with NoLock): a rewrite must not move the row whose TID this found.
  */
 static void
-claim_decide(text *scope, text *key, bytea *fingerprint, TimestampTz now,
-			 TimestampTz expires_at, int64 lease, ClaimAnswer *answer)
+claim_decide(text *scope, text *key, bytea *fingerprint, int64 ttl,
+			 int64 lease, ClaimAnswer *answer)
 {
+	TimestampTz now = GetCurrentTimestamp();
 	Relation	rel;
 	Relation	pkey;
 	IdemRecord	rec;
@@ -677,9 +699,11 @@ claim_decide(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 		{
 			if (record_standing(&rec, fingerprint, now) == RECORD_ANSWERS)
 			{
+				if (!idem_role_may_use(rec.owner))
+					records_deny(scope, key);
 				answer_from_record(&rec, fingerprint, now, answer);
-				index_close(pkey, AccessShareLock);
-				table_close(rel, AccessShareLock);
+				index_close(pkey, NoLock);
+				table_close(rel, NoLock);
 				return;
 			}
 			seen_tid = rec.tid;
@@ -689,8 +713,8 @@ claim_decide(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 		{
 			answer->outcome = CLAIM_IN_PROGRESS;
 			answer->retry_after = 1;
-			index_close(pkey, AccessShareLock);
-			table_close(rel, AccessShareLock);
+			index_close(pkey, NoLock);
+			table_close(rel, NoLock);
 			return;
 		}
 		/* The wait's subtransaction handed the lock to our transaction. */
@@ -702,6 +726,10 @@ claim_decide(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 	found = records_lookup(rel, pkey, SnapshotSelf, scope, key, &rec);
 	standing = found ? record_standing(&rec, fingerprint, now) : RECORD_GONE;
 	mine = claim_log_find(scope, key);
+
+	/* Another role's live record: nothing about it is revealed. */
+	if (standing != RECORD_GONE && !idem_role_may_use(rec.owner))
+		records_deny(scope, key);
 
 	/*
 	 * A version this transaction's snapshot cannot see must not decide the
@@ -723,8 +751,8 @@ claim_decide(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 					 errdetail("Another transaction changed the key's record after this transaction's snapshot was taken."),
 					 errhint("The transaction might succeed if retried.")));
 	}
-	index_close(pkey, AccessShareLock);
-	table_close(rel, AccessShareLock);
+	index_close(pkey, NoLock);
+	table_close(rel, NoLock);
 
 	if (standing != RECORD_ANSWERS)
 	{
@@ -736,7 +764,7 @@ claim_decide(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 					 errhint("Call idem_succeed() or idem_release() before claiming it again.")));
 		PreventCommandIfReadOnly("idem_claim()");
 	}
-	lease_expires_at = lease != 0 ? now + lease : 0;
+	lease_expires_at = lease != 0 ? idem_timestamp_add(now, lease, "lease") : 0;
 
 	if (standing == RECORD_ANSWERS)
 	{
@@ -746,45 +774,45 @@ claim_decide(text *scope, text *key, bytea *fingerprint, TimestampTz now,
 			claim_lock_release(&tag, lock_owner);
 		return;
 	}
-	if (standing == RECORD_TAKEOVER)
-	{
-		claim_takeover(scope, key, &rec, now, lease_expires_at, answer);
-		return;
-	}
 
-	if (found)
+	rel = records_open(RowExclusiveLock);
+	if (standing == RECORD_TAKEOVER)
+		claim_takeover(rel, scope, key, &rec, now, lease_expires_at, answer);
+	else
 	{
 		/* An expired record behaves as if it were gone: remove it for ours. */
-		rel = records_open(RowExclusiveLock);
-		records_delete_expired(rel, &rec.tid);
-		table_close(rel, RowExclusiveLock);
+		if (found)
+			records_delete_expired(rel, &rec.tid, Anum_records_scope, scope, key);
+		if (lease_expires_at != 0)
+			claim_multi_phase(rel, scope, key, fingerprint, now, ttl,
+							  lease_expires_at, answer);
+		else
+		{
+			entry.scope = scope;
+			entry.key = key;
+			entry.fingerprint = fingerprint;
+			entry.created_at = now;
+			entry.ttl = ttl;
+			entry.owner = GetUserId();
+			entry.token = 1;
+			claim_log_append(&entry, CLAIM_HELD);
+
+			answer->outcome = CLAIM_CLAIMED;
+			answer->token = 1;
+		}
 	}
-
-	if (lease_expires_at != 0)
-	{
-		claim_multi_phase(scope, key, fingerprint, now, expires_at,
-						  lease_expires_at, answer);
-		return;
-	}
-
-	entry.scope = scope;
-	entry.key = key;
-	entry.fingerprint = fingerprint;
-	entry.created_at = now;
-	entry.expires_at = expires_at;
-	entry.token = 1;
-	claim_log_append(&entry, CLAIM_HELD);
-
-	answer->outcome = CLAIM_CLAIMED;
-	answer->token = 1;
+	table_close(rel, NoLock);
 }
 
-/* Claim (scope, key), or say why not, and count the outcome. */
+/*
+ * Claim (scope, key), or say why not, and count the outcome.  ttl and lease
+ * are in microseconds (lease 0: no lease).
+ */
 void
-claim_key(text *scope, text *key, bytea *fingerprint, TimestampTz now,
-		  TimestampTz expires_at, int64 lease, ClaimAnswer *answer)
+claim_key(text *scope, text *key, bytea *fingerprint, int64 ttl, int64 lease,
+		  ClaimAnswer *answer)
 {
-	claim_decide(scope, key, fingerprint, now, expires_at, lease, answer);
+	claim_decide(scope, key, fingerprint, ttl, lease, answer);
 	count_outcome(answer);
 }
 
@@ -826,13 +854,14 @@ claim_succeed(text *scope, text *key, int32 status, Jsonb *body, Jsonb *headers)
 	rec.token = e->token;
 	rec.created_at = e->created_at;
 	rec.has_completed_at = true;
-	rec.completed_at = GetCurrentStatementStartTimestamp();
-	rec.expires_at = e->expires_at;
+	rec.completed_at = GetCurrentTimestamp();
+	rec.expires_at = idem_timestamp_add(rec.completed_at, e->ttl, "expiry time");
 	rec.claimed_at = e->created_at;
+	rec.owner = e->owner;
 
 	rel = records_open(RowExclusiveLock);
 	records_insert(rel, scope, key, &rec);
-	table_close(rel, RowExclusiveLock);
+	table_close(rel, NoLock);
 
 	claim_log_append(e, CLAIM_SUCCEEDED);
 }
@@ -901,14 +930,15 @@ PG_FUNCTION_INFO_V1(idem_replay);
 /* Validated (scope, key), ttl and lease, then the claim and its result row. */
 static Datum
 claim_with_fingerprint(FunctionCallInfo fcinfo, text *scope, text *key,
-					   bytea *fingerprint, TimestampTz now)
+					   bytea *fingerprint)
 {
-	TimestampTz expires_at = claim_expiry(fcinfo, 3, now);
+	TimestampTz now = GetCurrentTimestamp();
+	int64		ttl = claim_ttl(fcinfo, 3, now);
 	TimestampTz lease_end = claim_interval_end(fcinfo, 4, now, "lease");
 	ClaimAnswer answer;
 
-	claim_key(scope, key, fingerprint, now, expires_at,
-			  lease_end != 0 ? lease_end - now : 0, &answer);
+	claim_key(scope, key, fingerprint, ttl, lease_end != 0 ? lease_end - now : 0,
+			  &answer);
 	return claim_result_datum(fcinfo, &answer);
 }
 
@@ -922,8 +952,7 @@ idem_claim_jsonb(PG_FUNCTION_ARGS)
 	claim_scope_key_args(fcinfo, &scope, &key);
 	claim_check_request(fcinfo);
 	PG_RETURN_DATUM(claim_with_fingerprint(fcinfo, scope, key,
-										   idem_fingerprint_jsonb(PG_GETARG_JSONB_P(2)),
-										   GetCurrentStatementStartTimestamp()));
+										   idem_fingerprint_jsonb(PG_GETARG_JSONB_P(2))));
 }
 
 /*
@@ -943,8 +972,7 @@ idem_claim_text(PG_FUNCTION_ARGS)
 	request = DatumGetJsonbP(DirectFunctionCall1(jsonb_in,
 												 CStringGetDatum(text_to_cstring(PG_GETARG_TEXT_PP(2)))));
 	PG_RETURN_DATUM(claim_with_fingerprint(fcinfo, scope, key,
-										   idem_fingerprint_jsonb(request),
-										   GetCurrentStatementStartTimestamp()));
+										   idem_fingerprint_jsonb(request)));
 }
 
 /* idem_claim(scope, key, fingerprint bytea, ttl): claim with the caller's own request hash. */
@@ -967,8 +995,7 @@ idem_claim_bytea(PG_FUNCTION_ARGS)
 				 errmsg("fingerprint must have 1 to 64 bytes"),
 				 errdetail("The fingerprint given has %d bytes.",
 						   (int) VARSIZE_ANY_EXHDR(fingerprint))));
-	PG_RETURN_DATUM(claim_with_fingerprint(fcinfo, scope, key, fingerprint,
-										   GetCurrentStatementStartTimestamp()));
+	PG_RETURN_DATUM(claim_with_fingerprint(fcinfo, scope, key, fingerprint));
 }
 
 /*
@@ -1030,13 +1057,16 @@ idem_replay(PG_FUNCTION_ARGS)
 	rel = records_open(AccessShareLock);
 	pkey = records_open_pkey();
 	found = records_lookup(rel, pkey, GetActiveSnapshot(), scope, key, &rec);
-	index_close(pkey, AccessShareLock);
-	table_close(rel, AccessShareLock);
+	index_close(pkey, NoLock);
+	table_close(rel, NoLock);
 
-	if (found && (!rec.completed || rec.expires_at > GetCurrentStatementStartTimestamp()))
+	if (found && (!rec.completed || rec.expires_at > GetCurrentTimestamp()))
 	{
 		Datum		values[7];
 		bool		nulls[7];
+
+		if (!idem_role_may_use(rec.owner))
+			records_deny(scope, key);
 
 		memset(nulls, false, sizeof(nulls));
 		values[0] = CStringGetTextDatum(rec.completed ? RECORD_STATE_COMPLETED :

@@ -50,7 +50,8 @@ typedef struct ClaimAnswer
 	ClaimOutcome outcome;
 	IdemRecord	record;			/* valid for CLAIM_REPLAY */
 	int32		retry_after;	/* seconds, for CLAIM_IN_PROGRESS */
-	int64		token;			/* for CLAIM_CLAIMED */
+	int64		token;			/* for CLAIM_CLAIMED: 1 without a lease, else
+								 * from the database's token sequence */
 	text	   *recovery_point; /* for CLAIM_CLAIMED */
 } ClaimAnswer;
 
@@ -62,14 +63,13 @@ extern void claim_scope_key_args(FunctionCallInfo fcinfo, text **scope, text **k
 extern void claim_check_request(FunctionCallInfo fcinfo);
 extern TimestampTz claim_interval_end(FunctionCallInfo fcinfo, int argno,
 									  TimestampTz now, const char *name);
+extern int64 claim_ttl(FunctionCallInfo fcinfo, int argno, TimestampTz now);
 extern TimestampTz claim_expiry(FunctionCallInfo fcinfo, int argno, TimestampTz now);
 extern void claim_check_response(int32 status, Jsonb *body, Jsonb *headers);
 
 extern void claim_locktag(LOCKTAG *tag, text *scope, text *key);
-extern void claim_key(text *scope, text *key, bytea *fingerprint,
-					  TimestampTz now, TimestampTz expires_at,
+extern void claim_key(text *scope, text *key, bytea *fingerprint, int64 ttl,
 					  int64 lease, ClaimAnswer *answer);
-extern void claim_locktag(LOCKTAG *tag, text *scope, text *key);
 extern void claim_lock_hold(text *scope, text *key, const char *caller);
 
 /* phases.c */

@@ -183,8 +183,8 @@ idem_execute(PG_FUNCTION_ARGS)
 {
 	text	   *scope;
 	text	   *key;
-	TimestampTz now = GetCurrentStatementStartTimestamp();
-	TimestampTz expires_at;
+	TimestampTz now = GetCurrentTimestamp();
+	int64		ttl;
 	Jsonb	   *request;
 	Oid			handler;
 	ExecuteCache *cache;
@@ -205,14 +205,14 @@ idem_execute(PG_FUNCTION_ARGS)
 				 errmsg("handler must not be null")));
 	request = PG_GETARG_JSONB_P(2);
 	handler = PG_GETARG_OID(3);
-	expires_at = claim_expiry(fcinfo, 4, now);
+	ttl = claim_ttl(fcinfo, 4, now);
 
 	cache = execute_cache(fcinfo, handler);
 	aclresult = pg_proc_aclcheck(handler, GetUserId(), ACL_EXECUTE);
 	if (aclresult != ACLCHECK_OK)
 		aclcheck_error(aclresult, OBJECT_FUNCTION, get_func_name(handler));
 
-	claim_key(scope, key, idem_fingerprint_jsonb(request), now, expires_at, 0, &answer);
+	claim_key(scope, key, idem_fingerprint_jsonb(request), ttl, 0, &answer);
 	switch (answer.outcome)
 	{
 		case CLAIM_CLAIMED:

@@ -15,6 +15,7 @@
 
 #include "claims.h"
 #include "inbox.h"
+#include "lockhash.h"
 #include "outbox.h"
 #include "records.h"
 #include "relay.h"
@@ -35,6 +36,7 @@ _PG_init(void)
 {
 	ClaimsInit();
 	RecordsInit();
+	LockHashInit();
 	InboxInit();
 	StatsInit();
 	WorkerInit();

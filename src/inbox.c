@@ -20,7 +20,11 @@
  * first delivery's effects.  An expired mark behaves as if it were gone.
  *
  * Like the claim path, this uses direct heap and index access, so a caller
- * needs no privilege on the table.
+ * needs no privilege on the table.  A mark remembers the role that accepted
+ * it: another role that meets a live mark gets 42501, so that it can neither
+ * learn which messages a consumer took nor make the consumer skip one by
+ * accepting it first.  The table lock is kept until the transaction ends,
+ * so that a rewrite cannot move the expired mark this deletes by TID.
  *
  *-------------------------------------------------------------------------
  */
@@ -33,7 +37,6 @@
 #include "access/table.h"
 #include "access/xact.h"
 #include "catalog/namespace.h"
-#include "common/hashfn.h"
 #include "miscadmin.h"
 #include "storage/lmgr.h"
 #include "utils/builtins.h"
@@ -43,6 +46,7 @@
 
 #include "claims.h"
 #include "inbox.h"
+#include "lockhash.h"
 #include "records.h"
 #include "stats.h"
 
@@ -59,37 +63,38 @@ InboxInit(void)
 	idem_relcache_register(&inbox_rels);
 }
 
-/* Open idempotency.inbox, with a clear error if the installed version lacks it. */
+/*
+ * Open idempotency.inbox, with a clear error if the installed version lacks
+ * it or has other columns.  The caller keeps the lock (closes with NoLock).
+ */
 static Relation
 inbox_open(LOCKMODE lockmode)
 {
+	Relation	rel;
+
 	if (!idem_relcache_resolve(&inbox_rels))
-		ereport(ERROR,
-				(errcode(ERRCODE_UNDEFINED_TABLE),
-				 errmsg("table idempotency.inbox does not exist"),
-				 errhint("Run ALTER EXTENSION idempotency UPDATE.")));
-	return table_open(inbox_rels.oids[0], lockmode);
+		idem_report_missing(INBOX_TABLE);
+	rel = table_open(inbox_rels.oids[0], lockmode);
+	records_check_columns(rel, Natts_inbox);
+	return rel;
 }
 
-/* The advisory lock tag of (source, message_id) in this database. */
+/*
+ * The advisory lock tag of (source, message_id) in this database (lockhash.c),
+ * to be computed once idempotency.inbox is open.
+ */
 void
 inbox_locktag(LOCKTAG *tag, text *source, text *message_id)
 {
-	uint64		h;
-
-	h = hash_bytes_extended((const unsigned char *) VARDATA_ANY(source),
-							VARSIZE_ANY_EXHDR(source), 0);
-	h = hash_bytes_extended((const unsigned char *) VARDATA_ANY(message_id),
-							VARSIZE_ANY_EXHDR(message_id), h);
-	SET_LOCKTAG_ADVISORY(*tag, MyDatabaseId, (uint32) (h >> 32), (uint32) h,
-						 IDEM_INBOX_LOCK_CLASS);
+	idem_lock_tag(tag, IDEM_INBOX_LOCK_CLASS, source, message_id);
 }
 
-/* What a lookup found: where the mark is, when it expires, whether we wrote it. */
+/* What a lookup found: where the mark is, when it expires, whose it is. */
 typedef struct InboxMark
 {
 	ItemPointerData tid;
 	TimestampTz expires_at;
+	Oid			owner;			/* the role that accepted it, or InvalidOid */
 	bool		mine;			/* inserted by this transaction */
 } InboxMark;
 
@@ -118,6 +123,10 @@ inbox_lookup(Relation rel, Snapshot snapshot, text *source, text *message_id,
 		mark->tid = tuple->t_self;
 		mark->expires_at = DatumGetTimestampTz(heap_getattr(tuple, Anum_inbox_expires_at,
 															RelationGetDescr(rel), &isnull));
+		mark->owner = DatumGetObjectId(heap_getattr(tuple, Anum_inbox_owner,
+													RelationGetDescr(rel), &isnull));
+		if (isnull)
+			mark->owner = InvalidOid;
 		mark->mine = TransactionIdIsCurrentTransactionId(HeapTupleHeaderGetXmin(tuple->t_data));
 		found = true;
 	}
@@ -139,6 +148,7 @@ inbox_insert(Relation rel, text *source, text *message_id,
 	values[Anum_inbox_message_id - 1] = PointerGetDatum(message_id);
 	values[Anum_inbox_accepted_at - 1] = TimestampTzGetDatum(accepted_at);
 	values[Anum_inbox_expires_at - 1] = TimestampTzGetDatum(expires_at);
+	values[Anum_inbox_owner - 1] = ObjectIdGetDatum(GetUserId());
 
 	tuple = heap_form_tuple(RelationGetDescr(rel), values, nulls);
 	simple_heap_insert(rel, tuple);
@@ -189,6 +199,22 @@ inbox_check_args(text *source, text *message_id)
 					 errdetail("Byte %d of the message id is 0x%02x.", i + 1, id[i])));
 }
 
+/*
+ * The error for a role that meets another role's live mark.  It does not say
+ * whether the message was taken, only that it is not this role's to ask.
+ */
+static void
+inbox_deny(text *source, text *message_id)
+{
+	idem_stats_count(IDEM_STAT_DENIED);
+	ereport(ERROR,
+			(errcode(ERRCODE_INSUFFICIENT_PRIVILEGE),
+			 errmsg("permission denied for message \"%s\" from source \"%s\"",
+					text_to_cstring(message_id), text_to_cstring(source)),
+			 errdetail("The message's inbox mark belongs to a role whose privileges the current role does not have."),
+			 errhint("Give each consuming role sources of its own, or let the consumers use one common role.")));
+}
+
 PG_FUNCTION_INFO_V1(idem_inbox_accept);
 
 /*
@@ -218,7 +244,9 @@ idem_inbox_accept(PG_FUNCTION_ARGS)
 	if (inbox_lookup(rel, GetActiveSnapshot(), source, message_id, &mark) &&
 		mark.expires_at > now)
 	{
-		table_close(rel, AccessShareLock);
+		if (!idem_role_may_use(mark.owner))
+			inbox_deny(source, message_id);
+		table_close(rel, NoLock);
 		idem_stats_count(IDEM_STAT_INBOX_DUPLICATES);
 		PG_RETURN_BOOL(false);
 	}
@@ -232,10 +260,12 @@ idem_inbox_accept(PG_FUNCTION_ARGS)
 	snapshot = RegisterSnapshot(GetLatestSnapshot());
 	found = inbox_lookup(rel, snapshot, source, message_id, &mark);
 	UnregisterSnapshot(snapshot);
-	table_close(rel, AccessShareLock);
+	table_close(rel, NoLock);
 
 	if (found && mark.expires_at > now)
 	{
+		if (!idem_role_may_use(mark.owner))
+			inbox_deny(source, message_id);
 		/* Our own mark (from earlier in this statement) is no conflict. */
 		if (IsolationUsesXactSnapshot() && !mark.mine)
 			ereport(ERROR,
@@ -255,10 +285,10 @@ idem_inbox_accept(PG_FUNCTION_ARGS)
 	if (found)
 	{
 		/* An expired mark behaves as if it were gone: remove it for ours. */
-		records_delete_expired(rel, &mark.tid);
+		records_delete_expired(rel, &mark.tid, Anum_inbox_source, source, message_id);
 	}
 	inbox_insert(rel, source, message_id, now, expires_at);
-	table_close(rel, RowExclusiveLock);
+	table_close(rel, NoLock);
 
 	idem_stats_count(IDEM_STAT_INBOX_ACCEPTED);
 	PG_RETURN_BOOL(true);

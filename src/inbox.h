@@ -28,7 +28,8 @@
 #define Anum_inbox_message_id	2
 #define Anum_inbox_accepted_at	3
 #define Anum_inbox_expires_at	4
-#define Natts_inbox				4
+#define Anum_inbox_owner		5
+#define Natts_inbox				5
 
 extern void InboxInit(void);
 extern void inbox_locktag(LOCKTAG *tag, text *source, text *message_id);

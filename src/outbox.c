@@ -36,7 +36,6 @@
 #include "catalog/namespace.h"
 #include "catalog/pg_type.h"
 #include "commands/sequence.h"
-#include "common/hashfn.h"
 #include "executor/executor.h"
 #include "executor/spi.h"
 #include "miscadmin.h"
@@ -51,6 +50,7 @@
 #include "utils/snapmgr.h"
 #include "utils/syscache.h"
 
+#include "lockhash.h"
 #include "outbox.h"
 #include "records.h"
 #include "relay.h"
@@ -426,11 +426,8 @@ static void
 outbox_key_lock(text *key)
 {
 	LOCKTAG		tag;
-	uint64		h = hash_bytes_extended((const unsigned char *) VARDATA_ANY(key),
-										VARSIZE_ANY_EXHDR(key), 0);
 
-	SET_LOCKTAG_ADVISORY(tag, MyDatabaseId, (uint32) (h >> 32), (uint32) h,
-						 OUTBOX_LOCK_CLASS);
+	idem_lock_tag(&tag, OUTBOX_LOCK_CLASS, key, NULL);
 	(void) LockAcquire(&tag, ExclusiveLock, false, false);
 }
 

@@ -17,13 +17,18 @@
  * SQLSTATE IK001, and its transaction, with whatever it wrote, rolls back.
  * While an owner's phase transaction holds the lock, nobody can take over.
  *
+ * A token call by a role that may not use the record (records.c,
+ * idem_role_may_use) fails with 42501 before its token is looked at, so a
+ * guessed token reveals and changes nothing.  Tokens come from a
+ * database-wide sequence, so no token of a key is ever handed out twice,
+ * across expiry and cleanup too.
+ *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
 
 #include "access/genam.h"
 #include "access/table.h"
-#include "common/hashfn.h"
 #include "miscadmin.h"
 #include "utils/builtins.h"
 #include "utils/snapmgr.h"
@@ -33,20 +38,40 @@
 #include "records.h"
 #include "stats.h"
 
+/* Longest recovery point and operator's note, in bytes. */
+#define IDEM_MAX_RECOVERY_POINT_LEN	1024
+#define IDEM_MAX_NOTE_LEN			4096
+
 /*
  * The record of (scope, key) as it stands now.  The caller holds the key's
  * lock, so no change is in flight and SnapshotSelf shows the latest state.
  */
 static bool
-phase_lookup(text *scope, text *key, IdemRecord *rec)
+phase_lookup(Relation rel, text *scope, text *key, IdemRecord *rec)
 {
-	Relation	rel = records_open(AccessShareLock);
 	Relation	pkey = records_open_pkey();
 	bool		found = records_lookup(rel, pkey, SnapshotSelf, scope, key, rec);
 
-	index_close(pkey, AccessShareLock);
-	table_close(rel, AccessShareLock);
+	index_close(pkey, NoLock);
 	return found && (!rec->completed || rec->expires_at > GetCurrentTimestamp());
+}
+
+/* A text argument of at most max_len bytes (22023 otherwise), or NULL. */
+static text *
+phase_text_arg(FunctionCallInfo fcinfo, int argno, const char *name, int max_len)
+{
+	text	   *value;
+
+	if (PG_ARGISNULL(argno))
+		return NULL;
+	value = PG_GETARG_TEXT_PP(argno);
+	if (VARSIZE_ANY_EXHDR(value) > max_len)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s is too long", name),
+				 errdetail("A %s has at most %d bytes; this one has %d.",
+						   name, max_len, (int) VARSIZE_ANY_EXHDR(value))));
+	return value;
 }
 
 /* The unknown-operation error. */
@@ -73,16 +98,34 @@ phase_token_arg(FunctionCallInfo fcinfo, int argno)
 }
 
 /*
- * Lock the key and return its 'processing' record, checking that token is
- * still the current one: the fencing check of every token-carrying call.
+ * Open idempotency.records for a token call or an operator's resolution, and
+ * hold the key's lock until the end of the transaction.  The table stays
+ * locked as long (the caller closes it with NoLock).
  */
-static void
+static Relation
+phase_open(text *scope, text *key, const char *caller)
+{
+	Relation	rel = records_open(RowExclusiveLock);
+
+	claim_lock_hold(scope, key, caller);
+	return rel;
+}
+
+/*
+ * Lock the key and return its 'processing' record, checking that the current
+ * role may use it and that token is still the current one: the fencing check
+ * of every token-carrying call.  Returns idempotency.records, open.
+ */
+static Relation
 phase_fetch(text *scope, text *key, int64 token, IdemRecord *rec,
 			const char *caller)
 {
-	claim_lock_hold(scope, key, caller);
-	if (!phase_lookup(scope, key, rec))
+	Relation	rel = phase_open(scope, key, caller);
+
+	if (!phase_lookup(rel, scope, key, rec))
 		report_unknown(scope, key, caller);
+	if (!idem_role_may_use(rec->owner))
+		records_deny(scope, key);
 	if (rec->token != token)
 	{
 		idem_stats_count(IDEM_STAT_FENCED);
@@ -99,16 +142,15 @@ phase_fetch(text *scope, text *key, int64 token, IdemRecord *rec,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("%s: the operation with idempotency key \"%s\" in scope \"%s\" is already completed",
 						caller, text_to_cstring(key), text_to_cstring(scope))));
+	return rel;
 }
 
-/* Write back a record changed under the key's lock. */
+/* Write back a record changed under the key's lock; closes rel (its lock stays). */
 static void
-phase_store(text *scope, text *key, const IdemRecord *rec)
+phase_store(Relation rel, text *scope, text *key, const IdemRecord *rec)
 {
-	Relation	rel = records_open(RowExclusiveLock);
-
 	records_update(rel, scope, key, rec);
-	table_close(rel, RowExclusiveLock);
+	table_close(rel, NoLock);
 }
 
 /*
@@ -121,7 +163,8 @@ phase_complete(IdemRecord *rec, int32 status, Jsonb *body, Jsonb *headers)
 	TimestampTz now = GetCurrentTimestamp();
 
 	claim_check_response(status, body, headers);
-	rec->expires_at = now + (rec->expires_at - rec->created_at);
+	rec->expires_at = idem_timestamp_add(now, rec->expires_at - rec->created_at,
+										 "expiry time");
 	rec->completed = true;
 	rec->has_status = true;
 	rec->status = status;
@@ -136,12 +179,13 @@ void
 phase_succeed(FunctionCallInfo fcinfo, text *scope, text *key)
 {
 	IdemRecord	rec;
+	Relation	rel;
 
-	phase_fetch(scope, key, phase_token_arg(fcinfo, 5), &rec, "idem_succeed");
+	rel = phase_fetch(scope, key, phase_token_arg(fcinfo, 5), &rec, "idem_succeed");
 	phase_complete(&rec, PG_GETARG_INT32(2),
 				   PG_ARGISNULL(3) ? NULL : PG_GETARG_JSONB_P(3),
 				   PG_ARGISNULL(4) ? NULL : PG_GETARG_JSONB_P(4));
-	phase_store(scope, key, &rec);
+	phase_store(rel, scope, key, &rec);
 }
 
 PG_FUNCTION_INFO_V1(idem_release_token);
@@ -162,11 +206,12 @@ idem_release_token(PG_FUNCTION_ARGS)
 	text	   *scope;
 	text	   *key;
 	IdemRecord	rec;
+	Relation	rel;
 
 	claim_scope_key_args(fcinfo, &scope, &key);
-	phase_fetch(scope, key, phase_token_arg(fcinfo, 2), &rec, "idem_release");
+	rel = phase_fetch(scope, key, phase_token_arg(fcinfo, 2), &rec, "idem_release");
 	rec.lease_expires_at = GetCurrentTimestamp();
-	phase_store(scope, key, &rec);
+	phase_store(rel, scope, key, &rec);
 	idem_stats_count(IDEM_STAT_RELEASES);
 	PG_RETURN_VOID();
 }
@@ -178,7 +223,9 @@ idem_checkpoint(PG_FUNCTION_ARGS)
 	text	   *scope;
 	text	   *key;
 	int64		token;
+	text	   *recovery_point;
 	IdemRecord	rec;
+	Relation	rel;
 
 	claim_scope_key_args(fcinfo, &scope, &key);
 	token = phase_token_arg(fcinfo, 2);
@@ -186,9 +233,11 @@ idem_checkpoint(PG_FUNCTION_ARGS)
 		ereport(ERROR,
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 				 errmsg("recovery_point must not be null")));
-	phase_fetch(scope, key, token, &rec, "idem_checkpoint");
-	rec.recovery_point = PG_GETARG_TEXT_PP(3);
-	phase_store(scope, key, &rec);
+	recovery_point = phase_text_arg(fcinfo, 3, "recovery point",
+									IDEM_MAX_RECOVERY_POINT_LEN);
+	rel = phase_fetch(scope, key, token, &rec, "idem_checkpoint");
+	rec.recovery_point = recovery_point;
+	phase_store(rel, scope, key, &rec);
 	PG_RETURN_VOID();
 }
 
@@ -200,6 +249,7 @@ idem_extend(PG_FUNCTION_ARGS)
 	text	   *key;
 	int64		token;
 	IdemRecord	rec;
+	Relation	rel;
 	TimestampTz lease_expires_at;
 
 	claim_scope_key_args(fcinfo, &scope, &key);
@@ -210,10 +260,10 @@ idem_extend(PG_FUNCTION_ARGS)
 				 errmsg("lease must not be null")));
 	/* Validate first; the lease starts once the key is ours, after any wait. */
 	(void) claim_interval_end(fcinfo, 3, GetCurrentTimestamp(), "lease");
-	phase_fetch(scope, key, token, &rec, "idem_extend");
+	rel = phase_fetch(scope, key, token, &rec, "idem_extend");
 	lease_expires_at = claim_interval_end(fcinfo, 3, GetCurrentTimestamp(), "lease");
 	rec.lease_expires_at = lease_expires_at;
-	phase_store(scope, key, &rec);
+	phase_store(rel, scope, key, &rec);
 	PG_RETURN_TIMESTAMPTZ(lease_expires_at);
 }
 
@@ -270,16 +320,19 @@ idem_downstream_key(PG_FUNCTION_ARGS)
 
 /*
  * Lock a stuck operation for an operator: it must be 'processing' with an
- * expired lease.  Returns its record; the caller bumps the token, which
- * fences the old owner.
+ * expired lease.  Returns its record and idempotency.records, open; the
+ * caller moves the token on, which fences the old owner.  Operators act on
+ * every role's operations: EXECUTE on these functions is their privilege.
  */
-static void
+static Relation
 resolve_fetch(FunctionCallInfo fcinfo, text **scope, text **key,
 			  IdemRecord *rec, const char *caller)
 {
+	Relation	rel;
+
 	claim_scope_key_args(fcinfo, scope, key);
-	claim_lock_hold(*scope, *key, caller);
-	if (!phase_lookup(*scope, *key, rec))
+	rel = phase_open(*scope, *key, caller);
+	if (!phase_lookup(rel, *scope, *key, rec))
 		report_unknown(*scope, *key, caller);
 	if (rec->completed)
 		ereport(ERROR,
@@ -293,6 +346,7 @@ resolve_fetch(FunctionCallInfo fcinfo, text **scope, text **key,
 						caller, text_to_cstring(*key), text_to_cstring(*scope)),
 				 errdetail("Its owner may still be at work."),
 				 errhint("Resolve it once its lease has expired (see idem_stuck).")));
+	return rel;
 }
 
 /*
@@ -307,19 +361,22 @@ idem_resolve_complete(PG_FUNCTION_ARGS)
 	text	   *key;
 	IdemRecord	rec;
 	int64		token_before;
+	text	   *note;
+	Relation	rel;
 
 	if (PG_ARGISNULL(2))
 		ereport(ERROR,
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 				 errmsg("status must not be null")));
-	resolve_fetch(fcinfo, &scope, &key, &rec, "idem_resolve_complete");
-	token_before = rec.token++;
+	note = phase_text_arg(fcinfo, 5, "note", IDEM_MAX_NOTE_LEN);
+	rel = resolve_fetch(fcinfo, &scope, &key, &rec, "idem_resolve_complete");
+	token_before = rec.token;
+	rec.token = records_next_token();
 	phase_complete(&rec, PG_GETARG_INT32(2),
 				   PG_ARGISNULL(3) ? NULL : PG_GETARG_JSONB_P(3),
 				   PG_ARGISNULL(4) ? NULL : PG_GETARG_JSONB_P(4));
-	phase_store(scope, key, &rec);
-	records_audit("complete", scope, key, token_before, rec.token, &rec,
-				  PG_ARGISNULL(5) ? NULL : PG_GETARG_TEXT_PP(5));
+	phase_store(rel, scope, key, &rec);
+	records_audit("complete", scope, key, token_before, rec.token, &rec, note);
 	PG_RETURN_INT64(rec.token);
 }
 
@@ -335,13 +392,16 @@ idem_resolve_release(PG_FUNCTION_ARGS)
 	text	   *key;
 	IdemRecord	rec;
 	int64		token_before;
+	text	   *note;
+	Relation	rel;
 
-	resolve_fetch(fcinfo, &scope, &key, &rec, "idem_resolve_release");
-	token_before = rec.token++;
+	note = phase_text_arg(fcinfo, 2, "note", IDEM_MAX_NOTE_LEN);
+	rel = resolve_fetch(fcinfo, &scope, &key, &rec, "idem_resolve_release");
+	token_before = rec.token;
+	rec.token = records_next_token();
 	rec.has_lease = true;
 	rec.lease_expires_at = GetCurrentTimestamp();
-	phase_store(scope, key, &rec);
-	records_audit("release", scope, key, token_before, rec.token, &rec,
-				  PG_ARGISNULL(2) ? NULL : PG_GETARG_TEXT_PP(2));
+	phase_store(rel, scope, key, &rec);
+	records_audit("release", scope, key, token_before, rec.token, &rec, note);
 	PG_RETURN_INT64(rec.token);
 }

@@ -18,6 +18,16 @@
  * lock just around each delete, and a claim that meets a row it is deleting
  * waits for that delete in records_delete_expired.
  *
+ * Every function here that opens a relation keeps its lock until the
+ * transaction ends (callers close with NoLock), as core does: a VACUUM FULL,
+ * CLUSTER or rewriting ALTER TABLE between a lookup and the delete or update
+ * of the TID it found would make that TID name another key's row.  Deletes
+ * and updates also check that the row at the TID is still the key's.
+ *
+ * A record remembers the role that claimed it (owner): only that role, its
+ * members with its privileges, and superusers may read its response or act
+ * on it (idem_role_may_use).
+ *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
@@ -31,19 +41,28 @@
 #include "catalog/index.h"
 #include "catalog/indexing.h"
 #include "catalog/namespace.h"
+#include "catalog/pg_collation.h"
+#include "commands/sequence.h"
+#include "common/int.h"
 #include "executor/executor.h"
 #include "miscadmin.h"
 #include "nodes/execnodes.h"
+#include "storage/bufmgr.h"
+#include "utils/acl.h"
 #include "utils/builtins.h"
+#include "utils/datetime.h"
 #include "utils/fmgroids.h"
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
+#include "utils/snapmgr.h"
 
 #include "records.h"
+#include "stats.h"
 
 #define RECORDS_SCHEMA		"idempotency"
 #define RECORDS_TABLE		"records"
 #define RECORDS_PKEY		"records_pkey"
+#define TOKENS_SEQUENCE		"tokens"
 #define AUDIT_TABLE			"audit"
 
 /* Column numbers of idempotency.audit. */
@@ -56,13 +75,15 @@
 #define Anum_audit_token_after		7
 #define Anum_audit_status			8
 #define Anum_audit_note				9
-#define Natts_audit					9
+#define Anum_audit_session_actor	10
+#define Natts_audit					10
 
 /* The registered sets of cached OIDs (idem_relcache_register). */
 static IdemRelCache *relcaches = NULL;
 
-/* idempotency.records and its primary key. */
-static IdemRelCache records_rels = IDEM_RELCACHE(RECORDS_TABLE, RECORDS_PKEY);
+/* idempotency.records, its primary key and the sequence of fencing tokens. */
+static IdemRelCache records_rels = IDEM_RELCACHE(RECORDS_TABLE, RECORDS_PKEY,
+												 TOKENS_SEQUENCE);
 
 /* Mark every set that holds relid (or all, for a cache reset) stale. */
 static void
@@ -113,23 +134,134 @@ RecordsInit(void)
 	idem_relcache_register(&records_rels);
 }
 
-/* Open idempotency.records with the given lock mode. */
+/*
+ * The error for a relation of the extension that is missing (relname, in
+ * schema idempotency): the extension is not installed, or its SQL objects
+ * are older than its library (make install and a restart, but no ALTER
+ * EXTENSION UPDATE yet).  The version of the records table tells which.
+ */
+void
+idem_report_missing(const char *relname)
+{
+	Oid			nspid = get_namespace_oid(RECORDS_SCHEMA, true);
+
+	if (OidIsValid(nspid) && OidIsValid(get_relname_relid(RECORDS_TABLE, nspid)))
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("extension \"idempotency\" in this database is older than its library"),
+				 errdetail("Relation idempotency.%s, which this version of the library uses, does not exist.",
+						   relname),
+				 errhint("Run ALTER EXTENSION idempotency UPDATE.")));
+	ereport(ERROR,
+			(errcode(ERRCODE_UNDEFINED_TABLE),
+			 errmsg("extension \"idempotency\" is not installed in this database"),
+			 errhint("Run CREATE EXTENSION idempotency.")));
+}
+
+/*
+ * Refuse a table of the extension whose columns are not the ones this
+ * library reads and writes: the library was upgraded (make install and a
+ * restart) but ALTER EXTENSION UPDATE has not run yet.
+ */
+void
+records_check_columns(Relation rel, int natts)
+{
+	if (RelationGetDescr(rel)->natts != natts)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("table idempotency.%s does not match the idempotency library",
+						RelationGetRelationName(rel)),
+				 errdetail("The table has %d columns; this version of the library expects %d.",
+						   RelationGetDescr(rel)->natts, natts),
+				 errhint("Run ALTER EXTENSION idempotency UPDATE.")));
+}
+
+/*
+ * Open idempotency.records with the given lock mode, which the caller keeps
+ * until its transaction ends (table_close with NoLock).
+ */
 Relation
 records_open(LOCKMODE lockmode)
 {
+	Relation	rel;
+
 	if (!idem_relcache_resolve(&records_rels))
-		ereport(ERROR,
-				(errcode(ERRCODE_UNDEFINED_TABLE),
-				 errmsg("extension \"idempotency\" is not installed in this database"),
-				 errhint("Run CREATE EXTENSION idempotency.")));
-	return table_open(records_rels.oids[0], lockmode);
+		idem_report_missing(TOKENS_SEQUENCE);
+	rel = table_open(records_rels.oids[0], lockmode);
+	records_check_columns(rel, Natts_records);
+	return rel;
 }
 
-/* Open the primary key of idempotency.records (after records_open) for lookups. */
+/*
+ * Open the primary key of idempotency.records (after records_open) for
+ * lookups; the caller closes it with NoLock.
+ */
 Relation
 records_open_pkey(void)
 {
 	return index_open(records_rels.oids[1], AccessShareLock);
+}
+
+/*
+ * The next fencing token: database-wide and increasing, so a token handed out
+ * for a key is never handed out again for it, whatever expired or was
+ * deleted in between.  The sequence starts above every per-key counter that
+ * version 1.1 handed out.
+ */
+int64
+records_next_token(void)
+{
+	return nextval_internal(records_rels.oids[2], false);
+}
+
+/*
+ * Whether the current role may read or act on a record (or inbox mark)
+ * owned by owner: the owner itself, a role with its privileges (a member
+ * that inherits them), or a superuser.  Rows written before version 1.2 have
+ * no owner and stay open to every role.  has_privs_of_role caches the
+ * current role's memberships for the backend, so the usual case (the same
+ * role) costs a comparison, and the rest a cached list lookup.
+ */
+bool
+idem_role_may_use(Oid owner)
+{
+	Oid			current = GetUserId();
+
+	return !OidIsValid(owner) || owner == current || has_privs_of_role(current, owner);
+}
+
+/*
+ * The error for a role that may not use a record.  It reveals neither the
+ * response, nor whether the request matched, nor the owner.
+ */
+void
+records_deny(text *scope, text *key)
+{
+	idem_stats_count(IDEM_STAT_DENIED);
+	ereport(ERROR,
+			(errcode(ERRCODE_INSUFFICIENT_PRIVILEGE),
+			 errmsg("permission denied for idempotency key \"%s\" in scope \"%s\"",
+					text_to_cstring(key), text_to_cstring(scope)),
+			 errdetail("The key's record belongs to a role whose privileges the current role does not have."),
+			 errhint("Put the principal (tenant or user) into the scope, so that different roles never share a key.")));
+}
+
+/*
+ * t + usecs, which must be a valid timestamp: the records are dumped and
+ * restored as text, and a value beyond the end of the timestamptz range
+ * would be written out but refused on the way back in.
+ */
+TimestampTz
+idem_timestamp_add(TimestampTz t, int64 usecs, const char *what)
+{
+	TimestampTz result;
+
+	if (pg_add_s64_overflow(t, usecs, &result) || !IS_VALID_TIMESTAMP(result))
+		ereport(ERROR,
+				(errcode(ERRCODE_DATETIME_VALUE_OUT_OF_RANGE),
+				 errmsg("%s is out of range", what),
+				 errdetail("It would end after the last timestamp PostgreSQL can store.")));
+	return result;
 }
 
 /* Text column as a palloc'd copy, or NULL. */
@@ -175,6 +307,8 @@ record_from_tuple(Relation rel, HeapTuple tuple, IdemRecord *rec)
 	/* NULL only in rows written by version 1.0, which had no takeovers. */
 	rec->claimed_at = nulls[Anum_records_claimed_at - 1] ? rec->created_at :
 		DatumGetTimestampTz(values[Anum_records_claimed_at - 1]);
+	rec->owner = nulls[Anum_records_owner - 1] ? InvalidOid :
+		DatumGetObjectId(values[Anum_records_owner - 1]);
 }
 
 /*
@@ -287,6 +421,8 @@ record_form_tuple(Relation rel, text *scope, text *key, const IdemRecord *rec)
 	nulls[Anum_records_completed_at - 1] = !rec->has_completed_at;
 	values[Anum_records_expires_at - 1] = TimestampTzGetDatum(rec->expires_at);
 	values[Anum_records_claimed_at - 1] = TimestampTzGetDatum(rec->claimed_at);
+	values[Anum_records_owner - 1] = ObjectIdGetDatum(rec->owner);
+	nulls[Anum_records_owner - 1] = !OidIsValid(rec->owner);
 
 	return heap_form_tuple(RelationGetDescr(rel), values, nulls);
 }
@@ -310,6 +446,40 @@ records_insert(Relation rel, text *scope, text *key, const IdemRecord *rec)
 }
 
 /*
+ * Check that the row at tid is the one of (scope, key), whose columns start
+ * at scope_attnum, before it is deleted or updated.  The caller has kept the
+ * table's lock since it found the TID, so nothing can have moved it: this is
+ * the last line of defence against acting on another key's row.
+ */
+void
+records_check_tid(Relation rel, ItemPointer tid, AttrNumber scope_attnum,
+				  text *scope, text *key)
+{
+	HeapTupleData tuple;
+	Buffer		buffer;
+	bool		same = false;
+
+	tuple.t_self = *tid;
+	if (ItemPointerGetBlockNumber(tid) < RelationGetNumberOfBlocks(rel) &&
+		heap_fetch(rel, SnapshotAny, &tuple, &buffer, false))
+	{
+		bool		isnull_a;
+		bool		isnull_b;
+		Datum		a = heap_getattr(&tuple, scope_attnum, RelationGetDescr(rel), &isnull_a);
+		Datum		b = heap_getattr(&tuple, scope_attnum + 1, RelationGetDescr(rel), &isnull_b);
+
+		same = !isnull_a && !isnull_b &&
+			DatumGetBool(DirectFunctionCall2Coll(texteq, C_COLLATION_OID, a, PointerGetDatum(scope))) &&
+			DatumGetBool(DirectFunctionCall2Coll(texteq, C_COLLATION_OID, b, PointerGetDatum(key)));
+		ReleaseBuffer(buffer);
+	}
+	if (!same)
+		elog(ERROR, "row (%u,%u) of idempotency.%s is not the one of \"%s\" in \"%s\" any more",
+			 ItemPointerGetBlockNumber(tid), ItemPointerGetOffsetNumber(tid),
+			 RelationGetRelationName(rel), text_to_cstring(key), text_to_cstring(scope));
+}
+
+/*
  * Replace the record at rec->tid with rec's values.  Only holders of the
  * key's advisory lock update records, and the cleanup worker never deletes a
  * 'processing' one, so no concurrent update can interfere.
@@ -320,6 +490,7 @@ records_update(Relation rel, text *scope, text *key, const IdemRecord *rec)
 	HeapTuple	tuple = record_form_tuple(rel, scope, key, rec);
 	ItemPointerData otid = rec->tid;
 
+	records_check_tid(rel, &otid, Anum_records_scope, scope, key);
 	simple_heap_update(rel, &otid, tuple);
 	records_index_insert(rel, tuple);
 	heap_freetuple(tuple);
@@ -341,10 +512,14 @@ records_audit(const char *action, text *scope, text *key, int64 token_before,
 	if (!OidIsValid(relid))
 		elog(ERROR, "table idempotency.%s does not exist", AUDIT_TABLE);
 	rel = table_open(relid, RowExclusiveLock);
+	records_check_columns(rel, Natts_audit);
 
 	memset(nulls, false, sizeof(nulls));
 	values[Anum_audit_at - 1] = TimestampTzGetDatum(GetCurrentTimestamp());
-	values[Anum_audit_actor - 1] = CStringGetTextDatum(GetUserNameFromId(GetSessionUserId(), false));
+	/* The role the call ran as, and who logged in (they differ after SET ROLE). */
+	values[Anum_audit_actor - 1] = CStringGetTextDatum(GetUserNameFromId(GetUserId(), false));
+	values[Anum_audit_session_actor - 1] =
+		CStringGetTextDatum(GetUserNameFromId(GetSessionUserId(), false));
 	values[Anum_audit_action - 1] = CStringGetTextDatum(action);
 	values[Anum_audit_scope - 1] = PointerGetDatum(scope);
 	values[Anum_audit_key - 1] = PointerGetDatum(key);
@@ -359,20 +534,23 @@ records_audit(const char *action, text *scope, text *key, int64 token_before,
 	simple_heap_insert(rel, tuple);
 	records_index_insert(rel, tuple);
 	heap_freetuple(tuple);
-	table_close(rel, RowExclusiveLock);
+	table_close(rel, NoLock);
 	CommandCounterIncrement();
 }
 
 /*
- * Delete an expired record before its key is claimed again.  The cleanup
- * worker may have deleted it first; that is as good as our own delete.
+ * Delete an expired record (or inbox mark: scope_attnum says where the key
+ * columns are) before its key is claimed again.  The cleanup worker may have
+ * deleted it first; that is as good as our own delete.
  */
 void
-records_delete_expired(Relation rel, ItemPointer tid)
+records_delete_expired(Relation rel, ItemPointer tid, AttrNumber scope_attnum,
+					   text *scope, text *key)
 {
 	TM_FailureData tmfd;
 	TM_Result	result;
 
+	records_check_tid(rel, tid, scope_attnum, scope, key);
 	result = table_tuple_delete(rel, tid, GetCurrentCommandId(true),
 								InvalidSnapshot, InvalidSnapshot,
 								true, &tmfd, false);

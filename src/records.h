@@ -33,7 +33,8 @@
 #define Anum_records_completed_at		12
 #define Anum_records_expires_at			13
 #define Anum_records_claimed_at			14
-#define Natts_records					14
+#define Anum_records_owner				15
+#define Natts_records					15
 
 /* Values of records.state. */
 #define RECORD_STATE_COMPLETED	"completed"
@@ -61,6 +62,8 @@ typedef struct IdemRecord
 	TimestampTz completed_at;
 	TimestampTz expires_at;
 	TimestampTz claimed_at;		/* when the current token was handed out */
+	Oid			owner;			/* the role that claimed it; InvalidOid: written
+								 * before version 1.2, open to every role */
 } IdemRecord;
 
 /*
@@ -91,6 +94,8 @@ extern void idem_relcache_register(IdemRelCache *cache);
 extern bool idem_relcache_resolve(IdemRelCache *cache);
 
 extern void RecordsInit(void);
+extern void idem_report_missing(const char *relname) pg_attribute_noreturn();
+extern void records_check_columns(Relation rel, int natts);
 extern Relation records_open(LOCKMODE lockmode);
 extern Relation records_open_pkey(void);
 extern bool records_lookup(Relation rel, Relation pkey, Snapshot snapshot,
@@ -102,7 +107,15 @@ extern void records_update(Relation rel, text *scope, text *key,
 extern void records_audit(const char *action, text *scope, text *key,
 						  int64 token_before, int64 token_after,
 						  const IdemRecord *rec, text *note);
-extern void records_delete_expired(Relation rel, ItemPointer tid);
+extern void records_check_tid(Relation rel, ItemPointer tid, AttrNumber scope_attnum,
+							  text *scope, text *key);
+extern void records_delete_expired(Relation rel, ItemPointer tid,
+								   AttrNumber scope_attnum, text *scope, text *key);
 extern void records_index_insert(Relation rel, HeapTuple tuple);
+extern int64 records_next_token(void);
+
+extern bool idem_role_may_use(Oid owner);
+extern void records_deny(text *scope, text *key) pg_attribute_noreturn();
+extern TimestampTz idem_timestamp_add(TimestampTz t, int64 usecs, const char *what);
 
 #endif							/* IDEM_RECORDS_H */

@@ -137,6 +137,7 @@ stats_shmem_startup(void)
 
 			slot->dbid = InvalidOid;
 			slot->worker_pid = 0;
+			pg_atomic_init_u32(&slot->worker_procno, 0);
 			for (int c = 0; c < IDEM_STAT_NUM_COUNTERS; c++)
 				pg_atomic_init_u64(&slot->counters[c], 0);
 			SpinLockInit(&slot->mutex);
@@ -384,6 +385,13 @@ idem_stats(PG_FUNCTION_ARGS)
 
 	stats_require("idem_stats");
 	InitMaterializedSRF(fcinfo, 0);
+	if (rsinfo->setDesc->natts != IDEM_STATS_COLS)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("function idem_stats() does not match the idempotency library"),
+				 errdetail("It is declared with %d columns; this version of the library returns %d.",
+						   rsinfo->setDesc->natts, IDEM_STATS_COLS),
+				 errhint("Run ALTER EXTENSION idempotency UPDATE.")));
 
 	/* Copy under the lock; look the names up after releasing it. */
 	copies = palloc(stats->nslots * sizeof(IdemStatsCopy));
@@ -457,17 +465,36 @@ Datum
 idem_stats_reset(PG_FUNCTION_ARGS)
 {
 	TimestampTz now = GetCurrentTimestamp();
+	Oid		   *dropped;
+	int			ndropped = 0;
 
 	stats_require("idem_stats_reset");
+
+	/*
+	 * Which databases are gone, asked before the LWLock is taken: a catalog
+	 * lookup may read and lock, and must not do so under an LWLock.
+	 */
+	dropped = palloc(stats->nslots * sizeof(Oid));
+	LWLockAcquire(stats->lock, LW_SHARED);
+	for (int i = 0; i < stats->nslots; i++)
+		if (OidIsValid(stats->slots[i].dbid))
+			dropped[ndropped++] = stats->slots[i].dbid;
+	LWLockRelease(stats->lock);
+	for (int i = 0; i < ndropped; i++)
+		if (SearchSysCacheExists1(DATABASEOID, ObjectIdGetDatum(dropped[i])))
+			dropped[i--] = dropped[--ndropped];
+
 	LWLockAcquire(stats->lock, LW_EXCLUSIVE);
 	for (int i = 0; i < stats->nslots; i++)
 	{
 		IdemStatsSlot *slot = &stats->slots[i];
+		bool		gone = false;
 
 		if (!OidIsValid(slot->dbid))
 			continue;
-		if (slot->worker_pid == 0 &&
-			!SearchSysCacheExists1(DATABASEOID, ObjectIdGetDatum(slot->dbid)))
+		for (int d = 0; d < ndropped && !gone; d++)
+			gone = (dropped[d] == slot->dbid);
+		if (gone && slot->worker_pid == 0)
 		{
 			slot->dbid = InvalidOid;
 			continue;
@@ -480,5 +507,6 @@ idem_stats_reset(PG_FUNCTION_ARGS)
 	}
 	stats->full_logged = false;
 	LWLockRelease(stats->lock);
+	pfree(dropped);
 	PG_RETURN_VOID();
 }

@@ -22,6 +22,7 @@ typedef enum IdemStatCounter
 	IDEM_STAT_IN_PROGRESS,		/* ... 'in_progress' */
 	IDEM_STAT_TAKEOVERS,		/* multi-phase: a lease taken over */
 	IDEM_STAT_FENCED,			/* multi-phase: a call refused by its token */
+	IDEM_STAT_DENIED,			/* a role refused another role's key (42501) */
 	IDEM_STAT_RELEASES,			/* idem_release */
 	IDEM_STAT_INBOX_ACCEPTED,	/* idem_inbox_accept returned true */
 	IDEM_STAT_INBOX_DUPLICATES, /* ... false */

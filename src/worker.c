@@ -116,7 +116,7 @@ typedef struct CleanupTarget
 	const char *query;			/* expired rows of a TID window */
 	const char *activity;		/* for pg_stat_activity */
 	CleanupLockTag locktag;		/* the lock a claim or delivery holds */
-	bool		required;		/* false: absent before extension version 1.1 */
+	int			natts;			/* its columns in this version of the extension */
 	SPIPlanPtr	plan;			/* saved on first use */
 } CleanupTarget;
 
@@ -135,14 +135,14 @@ static CleanupTarget cleanup_targets[] = {
 		"SELECT ctid, scope, key, state OPERATOR(pg_catalog.=) 'processing', expires_at"
 		" FROM idempotency.records" CLEANUP_WINDOW_SQL,
 		"deleting expired rows of idempotency.records",
-		claim_locktag, true, NULL
+		claim_locktag, Natts_records, NULL
 	},
 	{
 		"inbox",
 		"SELECT ctid, source, message_id, false, expires_at"
 		" FROM idempotency.inbox" CLEANUP_WINDOW_SQL,
 		"deleting expired rows of idempotency.inbox",
-		inbox_locktag, false, NULL
+		inbox_locktag, Natts_inbox, NULL
 	},
 };
 
@@ -531,15 +531,9 @@ idem_cleanup(PG_FUNCTION_ARGS)
 		int			save_sec_context;
 
 		if (!OidIsValid(relid))
-		{
-			if (target->required)
-				ereport(ERROR,
-						(errcode(ERRCODE_UNDEFINED_TABLE),
-						 errmsg("extension \"idempotency\" is not installed in this database"),
-						 errhint("Run CREATE EXTENSION idempotency.")));
-			continue;
-		}
+			idem_report_missing(target->relname);
 		rel = table_open(relid, RowExclusiveLock);
+		records_check_columns(rel, target->natts);
 		cleanup_become_owner(rel, &save_userid, &save_sec_context);
 		cleanup_table_begin(&pass, rel);
 		while (!pass.table_done)
@@ -574,17 +568,37 @@ worker_reload_if_pending(void)
 	}
 }
 
-/* Whether the extension is installed here; logs when that changes. */
+/*
+ * Whether the extension is installed here, in the version of this library;
+ * logs when that changes.  An installation older than the library (its
+ * binaries were upgraded, ALTER EXTENSION UPDATE has not run yet) is left
+ * alone: the library's lock tags need the newer objects.
+ */
 static bool
 worker_extension_present(void)
 {
 	static bool absent_logged = false;
+	static bool older_logged = false;
 	bool		present;
+	bool		current;
 
 	SetCurrentStatementStartTimestamp();
 	StartTransactionCommand();
 	present = OidIsValid(cleanup_relid("records"));
+	current = present && OidIsValid(cleanup_relid("lock_key"));
 	CommitTransactionCommand();
+
+	if (present && !current)
+	{
+		if (!older_logged)
+			ereport(LOG,
+					(errmsg("extension \"idempotency\" in database \"%s\" is older than its library", worker_dbname),
+					 errdetail("Its cleanup worker does nothing until the extension is updated."),
+					 errhint("Run ALTER EXTENSION idempotency UPDATE in that database.")));
+		older_logged = true;
+		return false;
+	}
+	older_logged = false;
 
 	if (!present && !absent_logged)
 	{
@@ -646,6 +660,7 @@ worker_batch(CleanupTarget *target, CleanupPass *pass, bool first)
 		Oid			save_userid;
 		int			save_sec_context;
 
+		records_check_columns(rel, target->natts);
 		cleanup_become_owner(rel, &save_userid, &save_sec_context);
 		if (first)
 			cleanup_table_begin(pass, rel);
@@ -698,8 +713,6 @@ worker_pass(void)
 		{
 			WorkerBatchResult result = worker_batch(target, &pass, first);
 
-			if (result == BATCH_ABSENT && !target->required && first)
-				break;			/* an older extension version: no such table */
 			if (result != BATCH_DONE)
 			{
 				elog(DEBUG1, "idempotency cleanup of database \"%s\" ends early: idempotency.%s is %s",

@@ -194,13 +194,22 @@ sub pay_until_done
 	return @attempts;
 }
 
+# The tokens the attempts got, in the order they were handed out.  Tokens
+# come from a database-wide sequence, so the trace calls them t1, t2, ...
+sub claimed_tokens
+{
+	return sort { $a <=> $b } map { $_->{outcome} eq 'claimed' ? $_->{token} : () } @_;
+}
+
 # One line per attempt: outcome, token, recovery point, phases it committed, crash.
 sub trace
 {
+	my @tokens = claimed_tokens(@_);
+	my %ordinal = map { $tokens[$_] => $_ + 1 } 0 .. $#tokens;
 	return join ' | ', map {
 		my $r = $_;
 		$r->{outcome} eq 'claimed'
-		  ? "claimed t$r->{token} from "
+		  ? "claimed t$ordinal{$r->{token}} from "
 		  . ($r->{recovery_point} eq '' ? 'start' : $r->{recovery_point})
 		  . ' phases ' . (join(',', @{ $r->{phases} }) || '-')
 		  . ($r->{crashed} ? " KILLED $r->{crashed}" : '')
@@ -235,10 +244,12 @@ sub check_done
 	my @dks = map { $_->{dk} // () } @attempts;
 	is_deeply(\@dks, [ ($dk) x $calls ],
 		"$name: every owner sent the same downstream key");
+	my @tokens = claimed_tokens(@attempts);
+	is(scalar(@tokens), $tokens, "$name: $tokens owner(s), each with a token of its own");
 	is( $db->(qq{SELECT state || ' token ' || token || ' at ' || recovery_point
 				 FROM idempotency.records WHERE scope = '$SCOPE' AND key = '$key'}),
-		"completed token $tokens at charged",
-		"$name: completed, the token grew to $tokens");
+		"completed token $tokens[-1] at charged",
+		"$name: completed with the last owner's token");
 
 	my $replay = attempt($key);
 	is("$replay->{outcome} $replay->{status} $replay->{body}", "replay 201 $expected_body",
@@ -285,10 +296,11 @@ is( trace(@a),
 check_done('op-twice', 'killed twice', 3, 2, @a);
 
 # The dead owners' tokens are fenced.
+my $second = (claimed_tokens(@a))[1];
 my ($ret, $out, $err) = $node->psql('postgres',
-	qq{SELECT idem_checkpoint('$SCOPE', 'op-twice', 2, 'late')},
+	qq{SELECT idem_checkpoint('$SCOPE', 'op-twice', $second, 'late')},
 	extra_params => [ '-v', 'VERBOSITY=verbose' ]);
-like($err, qr/IK001: idem_checkpoint: token 2 .* is no longer current/,
+like($err, qr/IK001: idem_checkpoint: token $second .* is no longer current/,
 	'a dead owner\'s token is fenced with IK001');
 
 is($crashes, 7, 'seven crashes');

@@ -28,6 +28,7 @@ CREATE TABLE floor_records (
 	completed_at		timestamptz,
 	expires_at			timestamptz NOT NULL,
 	claimed_at			timestamptz,
+	owner				regrole,
 	PRIMARY KEY (scope, key)
 );
 CREATE INDEX floor_records_expires_at ON floor_records (expires_at);

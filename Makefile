@@ -20,6 +20,8 @@ REGRESS = canonical claim errors commit_guard expiry execute privileges ownershi
 REGRESS += inbox stats
 # Transactional outbox and relay
 REGRESS += outbox outbox_errors outbox_privileges outbox_plans
+# Extension scripts that cannot be hijacked: databases and a role of its own.
+REGRESS += script_security
 # Last: it re-creates the extension in a database of its own.
 REGRESS += upgrade
 ISOLATION = $(patsubst specs/%.spec,%,$(sort $(wildcard specs/*.spec)))

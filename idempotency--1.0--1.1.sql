@@ -2,6 +2,12 @@
 
 \echo Use "ALTER EXTENSION idempotency UPDATE TO '1.1'" to load this file. \quit
 
+/*
+ * Every function and operator is schema-qualified (pg_catalog.now(),
+ * OPERATOR(pg_catalog.=)): this script runs with the extension's schema on
+ * the search_path, where another role may have planted look-alikes.
+ */
+
 -- Multi-phase operations: leases, fencing tokens, recovery points, takeover
 
 /*
@@ -92,12 +98,14 @@ SELECT pg_catalog.pg_extension_config_dump('idempotency.audit', '');
  */
 CREATE VIEW idem_stuck AS
 SELECT scope, key, token, recovery_point,
-	   now() - coalesce(claimed_at, created_at) AS owner_age,
-	   now() - lease_expires_at AS lease_expired_for,
+	   pg_catalog.now() OPERATOR(pg_catalog.-) coalesce(claimed_at, created_at) AS owner_age,
+	   pg_catalog.now() OPERATOR(pg_catalog.-) lease_expires_at AS lease_expired_for,
 	   lease_expires_at, created_at
   FROM idempotency.records
- WHERE state = 'processing'
-   AND lease_expires_at < now() - coalesce(current_setting('idempotency.stuck_after', true), '5min')::interval;
+ WHERE state OPERATOR(pg_catalog.=) 'processing'
+   AND lease_expires_at OPERATOR(pg_catalog.<)
+	   (pg_catalog.now() OPERATOR(pg_catalog.-)
+		coalesce(pg_catalog.current_setting('idempotency.stuck_after', true), '5min')::pg_catalog.interval);
 
 CREATE VIEW idem_audit AS
 SELECT * FROM idempotency.audit;
@@ -223,7 +231,8 @@ CREATE INDEX outbox_published_at_brin ON idempotency.outbox USING brin (publishe
 CREATE SEQUENCE idempotency.destination_id_seq AS int4;
 
 CREATE TABLE idempotency.destinations (
-	id					int4 PRIMARY KEY DEFAULT nextval('idempotency.destination_id_seq'),
+	id					int4 PRIMARY KEY
+							DEFAULT pg_catalog.nextval('idempotency.destination_id_seq'::pg_catalog.regclass),
 	name				text NOT NULL UNIQUE,
 	kind				text NOT NULL,		-- 'notify' | 'function' | 'http'
 	target				text NOT NULL,		-- channel, function signature, or URL
@@ -241,7 +250,7 @@ CREATE TABLE idempotency.destinations (
 	paused				boolean NOT NULL DEFAULT false,
 	disabled_at			timestamptz,		-- set when an http endpoint answered 410
 	disabled_reason		text,
-	created_at			timestamptz NOT NULL DEFAULT now()
+	created_at			timestamptz NOT NULL DEFAULT pg_catalog.now()
 );
 ALTER SEQUENCE idempotency.destination_id_seq OWNED BY idempotency.destinations.id;
 
@@ -270,14 +279,14 @@ CREATE TABLE idempotency.deliveries (
 );
 -- The relay's claim: due pending deliveries, oldest first.
 CREATE INDEX deliveries_due ON idempotency.deliveries (next_attempt_at)
-	WHERE state = 'pending';
+	WHERE state OPERATOR(pg_catalog.=) 'pending';
 -- Per-key order: is an earlier delivery of this key still undelivered?  Also
 -- each destination's backlog and dead letters, for idem_outbox_stats.
 CREATE INDEX deliveries_undelivered ON idempotency.deliveries (destination_id, key, seq)
-	WHERE state <> 'delivered';
+	WHERE state OPERATOR(pg_catalog.<>) 'delivered';
 -- Retention cleanup.
 CREATE INDEX deliveries_delivered_at ON idempotency.deliveries (delivered_at)
-	WHERE state = 'delivered';
+	WHERE state OPERATOR(pg_catalog.=) 'delivered';
 
 /*
  * Counters of each destination since its creation.  Each relay pass appends
@@ -371,8 +380,8 @@ LANGUAGE C STABLE PARALLEL RESTRICTED;
 /* Destinations as configured, without secrets or header values. */
 CREATE VIEW idem_destinations AS
 SELECT name, kind, target, topics, options,
-	   (SELECT array_agg(h ORDER BY h) FROM jsonb_object_keys(headers) h) AS header_names,
-	   coalesce(cardinality(secrets), 0) AS secret_count,
+	   (SELECT pg_catalog.array_agg(h ORDER BY h) FROM pg_catalog.jsonb_object_keys(headers) h) AS header_names,
+	   coalesce(pg_catalog.cardinality(secrets), 0) AS secret_count,
 	   paused, disabled_at, disabled_reason, created_at
   FROM idempotency.destinations;
 
@@ -386,37 +395,44 @@ SELECT d.name AS destination, d.kind,
 	   coalesce(s.dead_lettered, 0) AS dead_lettered,
 	   q.dead,
 	   q.backlog,
-	   now() - q.oldest_pending AS oldest_pending_age,
+	   pg_catalog.now() OPERATOR(pg_catalog.-) q.oldest_pending AS oldest_pending_age,
 	   coalesce(s.redelivered, 0) AS redelivered,
-	   CASE WHEN s.delivered > 0
-			THEN make_interval(secs => s.latency_sum_us / s.delivered / 1e6) END AS avg_latency,
-	   make_interval(secs => s.last_latency_us / 1e6) AS last_latency,
+	   CASE WHEN s.delivered OPERATOR(pg_catalog.>) 0::pg_catalog.numeric
+			THEN pg_catalog.make_interval(secs => ((s.latency_sum_us OPERATOR(pg_catalog./) s.delivered)
+												   OPERATOR(pg_catalog./) 1e6)::pg_catalog.float8)
+	   END AS avg_latency,
+	   pg_catalog.make_interval(secs => (s.last_latency_us::pg_catalog.numeric
+										 OPERATOR(pg_catalog./) 1e6)::pg_catalog.float8) AS last_latency,
 	   s.last_delivered_at
   FROM idempotency.destinations d
   LEFT JOIN LATERAL (
-		SELECT sum(delivered) AS delivered, sum(retried) AS retried,
-			   sum(dead_lettered) AS dead_lettered, sum(redelivered) AS redelivered,
-			   sum(latency_sum_us) AS latency_sum_us,
-			   (array_agg(last_latency_us ORDER BY last_delivered_at DESC NULLS LAST))[1] AS last_latency_us,
-			   max(last_delivered_at) AS last_delivered_at
+		SELECT pg_catalog.sum(delivered) AS delivered, pg_catalog.sum(retried) AS retried,
+			   pg_catalog.sum(dead_lettered) AS dead_lettered,
+			   pg_catalog.sum(redelivered) AS redelivered,
+			   pg_catalog.sum(latency_sum_us) AS latency_sum_us,
+			   (pg_catalog.array_agg(last_latency_us
+									 ORDER BY last_delivered_at DESC NULLS LAST))[1] AS last_latency_us,
+			   pg_catalog.max(last_delivered_at) AS last_delivered_at
 		  FROM idempotency.destination_stats
-		 WHERE destination_id = d.id) s ON true
+		 WHERE destination_id OPERATOR(pg_catalog.=) d.id) s ON true
   LEFT JOIN LATERAL (
-		SELECT count(*) FILTER (WHERE x.state = 'pending') AS backlog,
-			   count(*) FILTER (WHERE x.state = 'dead') AS dead,
-			   min(o.published_at) FILTER (WHERE x.state = 'pending') AS oldest_pending
+		SELECT pg_catalog.count(*) FILTER (WHERE x.state OPERATOR(pg_catalog.=) 'pending') AS backlog,
+			   pg_catalog.count(*) FILTER (WHERE x.state OPERATOR(pg_catalog.=) 'dead') AS dead,
+			   pg_catalog.min(o.published_at)
+				   FILTER (WHERE x.state OPERATOR(pg_catalog.=) 'pending') AS oldest_pending
 		  FROM idempotency.deliveries x
-		  JOIN idempotency.outbox o USING (event_id)
-		 WHERE x.destination_id = d.id AND x.state <> 'delivered') q ON true;
+		  JOIN idempotency.outbox o ON o.event_id OPERATOR(pg_catalog.=) x.event_id
+		 WHERE x.destination_id OPERATOR(pg_catalog.=) d.id
+		   AND x.state OPERATOR(pg_catalog.<>) 'delivered') q ON true;
 
 /* Dead letters, for inspection before a redrive. */
 CREATE VIEW idem_outbox_dead AS
 SELECT d.name AS destination, x.event_id, o.topic, o.key, x.attempts, x.last_status,
 	   x.last_error, x.first_attempt_at, x.last_attempt_at, o.published_at
   FROM idempotency.deliveries x
-  JOIN idempotency.destinations d ON d.id = x.destination_id
-  JOIN idempotency.outbox o USING (event_id)
- WHERE x.state = 'dead';
+  JOIN idempotency.destinations d ON d.id OPERATOR(pg_catalog.=) x.destination_id
+  JOIN idempotency.outbox o ON o.event_id OPERATOR(pg_catalog.=) x.event_id
+ WHERE x.state OPERATOR(pg_catalog.=) 'dead';
 
 -- Operators only: the extension owner grants these to a role of its choice.
 REVOKE ALL ON FUNCTION idem_destination_create(text, text, text, text[], jsonb) FROM PUBLIC;

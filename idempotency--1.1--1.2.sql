@@ -56,18 +56,6 @@ SELECT at, actor, action, scope, key, token_before, token_after, status, note,
 	   session_actor
   FROM idempotency.audit;
 
-/* Operators see whose operation is stuck. */
-CREATE OR REPLACE VIEW idem_stuck AS
-SELECT scope, key, token, recovery_point,
-	   pg_catalog.now() OPERATOR(pg_catalog.-) COALESCE(claimed_at, created_at) AS owner_age,
-	   pg_catalog.now() OPERATOR(pg_catalog.-) lease_expires_at AS lease_expired_for,
-	   lease_expires_at, created_at, owner
-  FROM idempotency.records
- WHERE state OPERATOR(pg_catalog.=) 'processing'
-   AND lease_expires_at OPERATOR(pg_catalog.<)
-	   (pg_catalog.now() OPERATOR(pg_catalog.-)
-		COALESCE(pg_catalog.current_setting('idempotency.stuck_after', true), '5min')::pg_catalog.interval);
-
 /* idem_stats gains the count of calls refused another role's key (42501). */
 DROP VIEW @extschema@.idem_stats;
 DROP FUNCTION @extschema@.idem_stats();
@@ -135,11 +123,12 @@ ALTER TABLE idempotency.destinations
 	ALTER COLUMN id SET DEFAULT pg_catalog.nextval('idempotency.destination_id_seq'::pg_catalog.regclass),
 	ALTER COLUMN created_at SET DEFAULT pg_catalog.now();
 
+-- idem_stuck also shows whose operation is stuck (the owner column of 1.2).
 CREATE OR REPLACE VIEW idem_stuck AS
 SELECT scope, key, token, recovery_point,
 	   pg_catalog.now() OPERATOR(pg_catalog.-) coalesce(claimed_at, created_at) AS owner_age,
 	   pg_catalog.now() OPERATOR(pg_catalog.-) lease_expires_at AS lease_expired_for,
-	   lease_expires_at, created_at
+	   lease_expires_at, created_at, owner
   FROM idempotency.records
  WHERE state OPERATOR(pg_catalog.=) 'processing'
    AND lease_expires_at OPERATOR(pg_catalog.<)

@@ -149,7 +149,8 @@ $fn$;
 CREATE FUNCTION sec.operator_names(code text) RETURNS TABLE (name name)
 LANGUAGE sql IMMUTABLE SET search_path = pg_catalog, pg_temp AS $fn$
 	SELECT DISTINCT m[1]::name
-	  FROM regexp_matches(regexp_replace(regexp_replace(code, '=>|:=|::|\(\s*\*\s*\)|\.\*|(SELECT|RETURNING|,)\s*\*', ' ', 'gi'),
+	  FROM regexp_matches(regexp_replace(regexp_replace(replace(code, '@extschema@.', ' '),
+														'=>|:=|::|\(\s*\*\s*\)|\.\*|(SELECT|RETURNING|,)\s*\*', ' ', 'gi'),
 										 'OPERATOR\s*\(\s*\w+\s*\.\s*([^)\s]+)\s*\)', ' \1 ', 'gi'),
 						  '([-+*/<>=~!@#%^&|`?]+)', 'g') m
 	UNION
@@ -170,6 +171,8 @@ DECLARE
 BEGIN
 	FOR l, n IN SELECT t.l, t.n FROM regexp_split_to_table(code, E'\n') WITH ORDINALITY t(l, n) LOOP
 		l := regexp_replace(l, 'OPERATOR\s*\(\s*pg_catalog\s*\.\s*[^)\s]+\s*\)', ' ', 'gi');
+		-- @extschema@ names the extension's own schema, not an operator.
+		l := replace(l, '@extschema@.', 'extschema.');
 		FOR m IN SELECT regexp_matches(l, '(\w+\s+)?(\w+\s*\.\s*)?\m([A-Za-z_]\w*)\s*\(', 'g') LOOP
 			IF m[2] IS NULL
 			   AND upper(trim(coalesce(m[1], ''))) NOT IN ('FUNCTION', 'PROCEDURE', 'AGGREGATE', 'TABLE',
@@ -667,6 +670,12 @@ BEGIN
 	RAISE EXCEPTION 'refused';
 END $fn$;
 CREATE TABLE sec.events (event_id uuid);
+-- The multi-phase operations' tokens (from the database's token sequence).
+CREATE TABLE sec.tokens (k text, outcome text, token bigint);
+CREATE FUNCTION sec.token(key text) RETURNS bigint
+LANGUAGE sql SET search_path = pg_catalog, pg_temp AS $$
+	SELECT token FROM sec.tokens WHERE k OPERATOR(pg_catalog.=) key
+$$;
 
 -- Call every SQL function of the extension (with data that makes every
 -- view return rows), with the plants' schemas first in search_path: these
@@ -712,13 +721,16 @@ BEGIN
 	result := pg_catalog.concat(idem_inbox_accept('sec-source', 'm-1'), '/', idem_inbox_accept('sec-source', 'm-1'));
 	RETURN NEXT;
 	step := 'idem_claim with a lease';
-	result := (SELECT pg_catalog.string_agg(pg_catalog.concat(outcome, ':', token), ' ' ORDER BY k)
-				 FROM pg_catalog.unnest('{p-1,p-2,p-3}'::text[]) k,
-					  idem_claim(s, k, '{}'::jsonb, lease => '1 hour'::interval));
+	INSERT INTO sec.tokens
+	SELECT k, c.outcome, c.token
+	  FROM pg_catalog.unnest('{p-1,p-2,p-3}'::text[]) k,
+		   idem_claim(s, k, '{}'::jsonb, lease => '1 hour'::interval) c;
+	result := (SELECT pg_catalog.string_agg(pg_catalog.concat(outcome, ':', token IS NOT NULL), ' ' ORDER BY k)
+				 FROM sec.tokens);
 	RETURN NEXT;
-	PERFORM idem_checkpoint(s, 'p-1', 1, 'step-1');
+	PERFORM idem_checkpoint(s, 'p-1', sec.token('p-1'), 'step-1');
 	step := 'idem_extend';
-	result := idem_extend(s, 'p-1', 1, '2 hours'::interval) IS NOT NULL;
+	result := idem_extend(s, 'p-1', sec.token('p-1'), '2 hours'::interval) IS NOT NULL;
 	RETURN NEXT;
 	step := 'idem_downstream_key';
 	result := pg_catalog.length(idem_downstream_key(s, 'p-1', 'charge'));
@@ -783,7 +795,7 @@ BEGIN
 	result := idem_outbox_cleanup();
 	RETURN NEXT;
 	-- the multi-phase operations' owners give up: stuck, for idem_stuck
-	PERFORM idem_release(s, k, 1) FROM pg_catalog.unnest('{p-1,p-2,p-3}'::text[]) k;
+	PERFORM idem_release(s, k, sec.token(k)) FROM pg_catalog.unnest('{p-1,p-2,p-3}'::text[]) k;
 END $fn$;
 
 CREATE FUNCTION sec.exercise_resolve() RETURNS TABLE (step text, result text)
@@ -792,10 +804,10 @@ DECLARE
 	s text := 'sec:POST /x';
 BEGIN
 	step := 'idem_resolve_complete';
-	result := idem_resolve_complete(s, 'p-1', 201, '{"found": true}'::jsonb, note => 'reconciled');
+	result := idem_resolve_complete(s, 'p-1', 201, '{"found": true}'::jsonb, note => 'reconciled') IS NOT NULL;
 	RETURN NEXT;
 	step := 'idem_resolve_release';
-	result := idem_resolve_release(s, 'p-2', 'retry');
+	result := idem_resolve_release(s, 'p-2', 'retry') IS NOT NULL;
 	RETURN NEXT;
 	step := 'idem_cleanup';
 	result := idem_cleanup();
@@ -858,7 +870,7 @@ SELECT * FROM sec.plant_calls();
 SELECT pg_catalog.pg_stat_force_next_flush();
 SELECT * FROM sec.functions_not_called();
 DROP EXTENSION idempotency CASCADE;
-TRUNCATE sec.received, sec.events;
+TRUNCATE sec.received, sec.events, sec.tokens;
 
 -- ---------------------------------------------------------------------------
 -- 2. CREATE EXTENSION (1.0, then the updates to 1.1 and 1.2) with the plants
@@ -878,7 +890,7 @@ SELECT * FROM sec.plant_calls();
 SELECT pg_catalog.pg_stat_force_next_flush();
 SELECT * FROM sec.functions_not_called();
 DROP EXTENSION idempotency CASCADE;
-TRUNCATE sec.received, sec.events;
+TRUNCATE sec.received, sec.events, sec.tokens;
 
 -- ---------------------------------------------------------------------------
 -- 3. CREATE EXTENSION ... VERSION '1.0', then ALTER EXTENSION UPDATE, with

@@ -27,8 +27,9 @@
 #    byte, and the domain has one row per completed key;
 #  - the open payment executes once, the open inbox message is applied once,
 #    the others are redeliveries;
-#  - each checkout left mid-way is taken over after its lease, with token 2
-#    and its last committed recovery point, the dead owner's token fenced;
+#  - each checkout left mid-way is taken over after its lease, with a later
+#    token and its last committed recovery point, the dead owner's token
+#    fenced;
 #  - the worker starts, cleans up, and delivers every event: once to the
 #    function destination; to the http destination at least once, the only
 #    repeats being the 20 held webhooks, under their webhook-ids.
@@ -181,6 +182,7 @@ for my $key (qw(o1 o2 o3))
 	my $r = checkout($primary, $key, lease => $LEASE);
 	$orders{$key} = $r->{response};
 }
+my %first_token;    # key => the token of the owner that dies at the failover
 my %midway = (    # key => the last committed recovery point
 	'o-claimed' => '',
 	'o-phase1' => 'phase1',
@@ -190,7 +192,8 @@ for my $key (sort keys %midway)
 {
 	my $r = checkout($primary, $key, lease => $LEASE, claim_only => 1);
 	my $upto = $key eq 'o-phase2' ? 2 : $key eq 'o-claimed' ? 0 : 1;
-	run_phases($primary, $key, 1, 1, $upto, $LEASE) if $upto;
+	$first_token{$key} = $r->{token};
+	run_phases($primary, $key, $r->{token}, 1, $upto, $LEASE) if $upto;
 }
 
 # Payments whose events reach the function destination at once, while the
@@ -221,7 +224,7 @@ my @open;
 my %open_sql = (
 	payment => q{SELECT outcome FROM app_pay('p-open', 10)},
 	message => q{SELECT app_consume('m-open')},
-	phase => qq{SELECT app_phase('o-inside', 1, 2, '$LEASE')},
+	phase => qq{SELECT app_phase('o-inside', $first_token{'o-inside'}, 2, '$LEASE')},
 	publish => q{SELECT idem_publish('payment.created', '{"op_key": "ghost"}', key => 'ghost',
 				 headers => '{"x-event-key": "ghost", "x-event-topic": "payment.created"}') IS NOT NULL});
 for my $what (sort keys %open_sql)
@@ -324,18 +327,20 @@ for my $key (sort keys %midway)
 		qq{SELECT lease_expires_at FROM idempotency.records WHERE scope = '$ORDER_SCOPE' AND key = '$key'});
 	my $c = checkout($node, $key, lease => $LEASE, claim_only => 1);
 	my $takeover = $c->{attempts}[-1];
-	is( "$takeover->{outcome} token $takeover->{token} from '$takeover->{recovery_point}'",
-		"claimed token 2 from '$midway{$key}'",
-		"checkout $key: taken over with token 2 from its last committed recovery point");
+	my ($old, $new) = ($first_token{$key}, $takeover->{token});
+	is( "$takeover->{outcome} from '$takeover->{recovery_point}'",
+		"claimed from '$midway{$key}'",
+		"checkout $key: taken over from its last committed recovery point");
+	cmp_ok($new, '>', $old, "checkout $key: with a later token");
 	is( $node->safe_psql('postgres', qq{SELECT '$takeover->{lease_expires_at}'::timestamptz
 						 - interval '$LEASE' >= '$dead_lease'::timestamptz}),
 		't', "checkout $key: after the dead owner's lease expired");
 	my ($ret, $out, $err) = $node->psql('postgres',
-		qq{SELECT idem_extend('$ORDER_SCOPE', '$key', 1, '$LEASE')},
+		qq{SELECT idem_extend('$ORDER_SCOPE', '$key', $old, '$LEASE')},
 		extra_params => [ '-v', 'VERBOSITY=verbose' ]);
 	like($err, qr/IK001/, "checkout $key: the old owner's token is fenced");
-	$orders{$key} = run_phases($node, $key, 2, $c->{next_phase}, 3, $LEASE);
-	my $expected = join ',', map { $_ <= ($c->{next_phase} - 1) ? "$_:1" : "$_:2" } 1 .. 3;
+	$orders{$key} = run_phases($node, $key, $new, $c->{next_phase}, 3, $LEASE);
+	my $expected = join ',', map { $_ <= ($c->{next_phase} - 1) ? "$_:$old" : "$_:$new" } 1 .. 3;
 	is( $node->safe_psql('postgres', qq{
 			SELECT string_agg(phase || ':' || token, ',' ORDER BY phase) FROM phase_writes WHERE op_key = '$key'}),
 		$expected, "checkout $key: each phase's write exists once");

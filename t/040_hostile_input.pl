@@ -453,8 +453,9 @@ my $elapsed = time - $started;
 diag(sprintf('corpus: %d candidate values; %d calls of %d functions in %.0f s',
 	$corpus_size, $calls, scalar @functions, $elapsed));
 diag('calls by SQLSTATE: ' . join(', ', map { "$_ $by_state{$_}" } sort keys %by_state));
-diag("crashes: $crashes, internal errors (XX000): $internal, calls without a result: $lost, "
-	. 'known defects seen: ' . join(', ', map { $defect_seen{$_} } sort keys %defect_seen));
+diag("crashes: $crashes, internal errors (XX000) besides known defects: $internal, "
+	. "calls without a result: $lost; known defects seen: "
+	. join(', ', map { "$_->{state} in $_->{fn} x" . ($defect_seen{ $_->{todo} } // 0) } @known_defects));
 
 for my $f (@functions)
 {

@@ -8,6 +8,7 @@ idem_packages=(
 	gcc make libc6-dev
 	postgresql-15 postgresql-server-dev-15 postgresql-15-pgtap
 	libssl-dev libcurl4-openssl-dev libipc-run-perl
+	libasan8 libubsan1
 )
 
 idem_install_deps() {

@@ -87,12 +87,26 @@
 /* significant digits that always suffice to identify a double */
 #define DBL_ROUND_TRIP_DIGITS 17
 
-/* An object member, with its key in UTF-8 for sorting. */
+/*
+ * Long loops over a request check for interrupts (statement_timeout, a
+ * cancel) every this many bytes of a string or of the text being hashed: a
+ * few hundred microseconds of work, so a cancel is never kept waiting and
+ * small requests pay nothing.  The loops over array elements and object
+ * members check once per element, which costs one load and branch next to
+ * the iterator's hundreds of instructions.
+ */
+#define INTERRUPT_CHECK_BYTES (1024 * 1024)
+
+/*
+ * An object member, with its key in UTF-8 for sorting.  Kept small: qsort
+ * moves whole members.
+ */
 typedef struct CanonicalMember
 {
 	const char *sortkey;
 	int			sortkeylen;
-	JsonbValue	key;
+	int			keylen;
+	const char *key;			/* server encoding */
 	JsonbValue	value;
 } CanonicalMember;
 
@@ -104,16 +118,26 @@ PG_FUNCTION_INFO_V1(idem_fingerprint);
 /*
  * Append a JSON string literal, escaping only what RFC 8785 escapes.  Bytes
  * below 0x20, '"' and '\\' are those ASCII characters in every server
- * encoding, so working byte by byte is safe.
+ * encoding, so working byte by byte is safe; the bytes between two escapes
+ * are copied as one run.
  */
 static void
 append_string(StringInfo out, const char *s, int len)
 {
+	int			run = 0;		/* start of the bytes not yet appended */
+
 	appendStringInfoChar(out, '"');
 	for (int i = 0; i < len; i++)
 	{
 		unsigned char c = (unsigned char) s[i];
 
+		if (i % INTERRUPT_CHECK_BYTES == INTERRUPT_CHECK_BYTES - 1)
+			CHECK_FOR_INTERRUPTS();
+		if (c >= 0x20 && c != '"' && c != '\\')
+			continue;
+
+		appendBinaryStringInfo(out, s + run, i - run);
+		run = i + 1;
 		switch (c)
 		{
 			case '"':
@@ -138,13 +162,11 @@ append_string(StringInfo out, const char *s, int len)
 				appendStringInfoString(out, "\\t");
 				break;
 			default:
-				if (c < 0x20)
-					appendStringInfo(out, "\\u%04x", c);
-				else
-					appendStringInfoChar(out, (char) c);
+				appendStringInfo(out, "\\u%04x", c);
 				break;
 		}
 	}
+	appendBinaryStringInfo(out, s + run, len - run);
 	appendStringInfoChar(out, '"');
 }
 
@@ -414,13 +436,19 @@ utf16_weight(unsigned char c)
 	return (c == 0xEE || c == 0xEF) ? c + 0x10 : c;
 }
 
-/* qsort comparator: order object members by key in UTF-16 code units. */
+/*
+ * qsort comparator: order object members by key in UTF-16 code units.  It
+ * checks for interrupts, since sorting an object of millions of members
+ * takes a while (pg_qsort holds no resources an error could leak).
+ */
 static int
 member_cmp(const void *a, const void *b)
 {
 	const CanonicalMember *ma = a;
 	const CanonicalMember *mb = b;
 	int			len = Min(ma->sortkeylen, mb->sortkeylen);
+
+	CHECK_FOR_INTERRUPTS();
 
 	for (int i = 0; i < len; i++)
 	{
@@ -435,7 +463,11 @@ member_cmp(const void *a, const void *b)
 
 /*
  * Append the canonical text of a jsonb container: an object with sorted
- * members, an array, or the scalar alone for a top-level raw scalar.
+ * members, an array, or the scalar alone for a top-level raw scalar.  It
+ * recurses into nested containers, so it checks the stack depth (jsonb can
+ * be nested as deep as its parser's stack allows); and it checks for
+ * interrupts at every element and member, so that a large request can be
+ * cancelled.
  */
 static void
 append_container(StringInfo out, JsonbContainer *container)
@@ -456,6 +488,7 @@ append_container(StringInfo out, JsonbContainer *container)
 			appendStringInfoChar(out, '[');
 		for (int i = 0; JsonbIteratorNext(&it, &v, true) == WJB_ELEM; i++)
 		{
+			CHECK_FOR_INTERRUPTS();
 			if (i > 0)
 				appendStringInfoChar(out, ',');
 			append_value(out, &v);
@@ -473,9 +506,11 @@ append_container(StringInfo out, JsonbContainer *container)
 		{
 			CanonicalMember *m = &members[nmembers];
 
+			CHECK_FOR_INTERRUPTS();
 			if (tok == WJB_KEY)
 			{
-				m->key = v;
+				m->key = v.val.string.val;
+				m->keylen = v.val.string.len;
 				m->sortkey = pg_server_to_any(v.val.string.val,
 											  v.val.string.len, PG_UTF8);
 				m->sortkeylen = (m->sortkey == v.val.string.val) ?
@@ -492,10 +527,10 @@ append_container(StringInfo out, JsonbContainer *container)
 		appendStringInfoChar(out, '{');
 		for (int i = 0; i < nmembers; i++)
 		{
+			CHECK_FOR_INTERRUPTS();
 			if (i > 0)
 				appendStringInfoChar(out, ',');
-			append_string(out, members[i].key.val.string.val,
-						  members[i].key.val.string.len);
+			append_string(out, members[i].key, members[i].keylen);
 			appendStringInfoChar(out, ':');
 			append_value(out, &members[i].value);
 		}
@@ -513,11 +548,54 @@ idem_canonical_append(StringInfo out, Jsonb *jb)
 	append_container(out, &jb->root);
 }
 
-/* Compute SHA-256 with OpenSSL into out (IDEM_SHA256_LEN bytes). */
+/*
+ * Hash len bytes of data into out with ctx, a slice at a time with an
+ * interrupt check between slices, so that hashing the canonical text of a
+ * large request can be cancelled.  Returns false if OpenSSL fails.
+ */
+static bool
+sha256_slices(EVP_MD_CTX *ctx, const uint8 *data, size_t len, uint8 *out)
+{
+	if (EVP_DigestInit_ex(ctx, EVP_sha256(), NULL) != 1)
+		return false;
+	while (len > 0)
+	{
+		size_t		slice = Min(len, INTERRUPT_CHECK_BYTES);
+
+		CHECK_FOR_INTERRUPTS();
+		if (EVP_DigestUpdate(ctx, data, slice) != 1)
+			return false;
+		data += slice;
+		len -= slice;
+	}
+	return EVP_DigestFinal_ex(ctx, out, NULL) == 1;
+}
+
+/*
+ * Compute SHA-256 with OpenSSL into out (IDEM_SHA256_LEN bytes).  The
+ * OpenSSL context is freed also when a cancel interrupts the hashing.
+ */
 void
 idem_sha256(const void *data, size_t len, uint8 *out)
 {
-	if (EVP_Digest(data, len, out, NULL, EVP_sha256(), NULL) != 1)
+	EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+	volatile bool ok = false;
+
+	if (ctx == NULL)
+		ereport(ERROR,
+				(errcode(ERRCODE_OUT_OF_MEMORY),
+				 errmsg("out of memory")));
+	PG_TRY();
+	{
+		ok = sha256_slices(ctx, data, len, out);
+	}
+	PG_FINALLY();
+	{
+		EVP_MD_CTX_free(ctx);
+	}
+	PG_END_TRY();
+
+	if (!ok)
 		ereport(ERROR,
 				(errcode(ERRCODE_EXTERNAL_ROUTINE_INVOCATION_EXCEPTION),
 				 errmsg("could not compute SHA-256 digest")));

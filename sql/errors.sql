@@ -39,6 +39,16 @@ SELECT * FROM idem_claim('s', 'del' || chr(127), '{}');
 \echo :SQLSTATE
 SELECT * FROM idem_claim('s', 'clé', '{}');
 \echo :SQLSTATE
+-- A scope is quoted in error messages and the server log: no control
+-- characters, so that it cannot forge log lines.
+SELECT * FROM idem_claim('tenant' || chr(10) || 'ERROR:  forged', 'k', '{}');
+\echo :SQLSTATE
+SELECT * FROM idem_replay('s' || chr(27) || '[2J', 'k');
+\echo :SQLSTATE
+SELECT idem_inbox_accept('topic' || chr(13), 'm');
+\echo :SQLSTATE
+-- Non-ASCII scopes are fine.
+SELECT count(*) FROM idem_replay('café:POST /x', 'k');
 SELECT * FROM idem_replay('s', '');
 \echo :SQLSTATE
 

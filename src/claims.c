@@ -286,13 +286,18 @@ claim_arg_text(FunctionCallInfo fcinfo, int argno, const char *name)
 	return PG_GETARG_TEXT_PP(argno);
 }
 
-/* Validate scope and key: non-empty, bounded, the key printable ASCII. */
+/*
+ * Validate scope and key: non-empty, bounded, the key printable ASCII, the
+ * scope without control characters (error messages and the server log quote
+ * it: a newline or an escape sequence in it could forge log lines).
+ */
 static void
 claim_check_scope_key(text *scope, text *key)
 {
 	int			scope_len = VARSIZE_ANY_EXHDR(scope);
 	int			key_len = VARSIZE_ANY_EXHDR(key);
 	const unsigned char *k = (const unsigned char *) VARDATA_ANY(key);
+	const unsigned char *sc = (const unsigned char *) VARDATA_ANY(scope);
 
 	if (scope_len == 0)
 		ereport(ERROR,
@@ -304,6 +309,12 @@ claim_check_scope_key(text *scope, text *key)
 				 errmsg("scope is too long"),
 				 errdetail("A scope has at most %d bytes; this one has %d.",
 						   IDEM_MAX_SCOPE_LEN, scope_len)));
+	for (int i = 0; i < scope_len; i++)
+		if (sc[i] < 0x20 || sc[i] == 0x7F)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("scope must not contain control characters"),
+					 errdetail("Byte %d of the scope is 0x%02x.", i + 1, sc[i])));
 	if (key_len == 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),

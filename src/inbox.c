@@ -160,9 +160,10 @@ inbox_insert(Relation rel, text *source, text *message_id,
 }
 
 /*
- * Validate source and message id: both non-empty and at most 255 bytes; the
- * message id without control characters (it is often a UUID or a number, but
- * any other printable text, non-ASCII included, is accepted).
+ * Validate source and message id: both non-empty, at most 255 bytes and
+ * without control characters (error messages and the server log quote them);
+ * the message id is often a UUID or a number, but any other printable text,
+ * non-ASCII included, is accepted.
  */
 static void
 inbox_check_args(text *source, text *message_id)
@@ -170,6 +171,7 @@ inbox_check_args(text *source, text *message_id)
 	int			source_len = VARSIZE_ANY_EXHDR(source);
 	int			id_len = VARSIZE_ANY_EXHDR(message_id);
 	const unsigned char *id = (const unsigned char *) VARDATA_ANY(message_id);
+	const unsigned char *src = (const unsigned char *) VARDATA_ANY(source);
 
 	if (source_len == 0)
 		ereport(ERROR,
@@ -181,6 +183,12 @@ inbox_check_args(text *source, text *message_id)
 				 errmsg("source is too long"),
 				 errdetail("A source has at most %d bytes; this one has %d.",
 						   IDEM_MAX_SOURCE_LEN, source_len)));
+	for (int i = 0; i < source_len; i++)
+		if (src[i] < 0x20 || src[i] == 0x7F)
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+					 errmsg("source must not contain control characters"),
+					 errdetail("Byte %d of the source is 0x%02x.", i + 1, src[i])));
 	if (id_len == 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),

@@ -14,17 +14,24 @@
  *	   rest are given back unattempted).  Each claimed delivery's attempt
  *	   count goes up by one and its next_attempt_at becomes a visibility
  *	   deadline: if this relay dies, the delivery is claimed again after it.
- *	   The deadline covers the whole pass, the same for every delivery of the
- *	   batch: as many waves of relay_max_in_flight requests as the batch may
- *	   need, each as long as the largest HTTP timeout, plus
- *	   idempotency.relay_visibility_margin.  visible_until records that the
- *	   outcome is outstanding, so a later claim knows the attempt was
+ *	   The deadline is the same for every delivery of the batch: as many
+ *	   waves of relay_max_in_flight requests as the batch may need, each as
+ *	   long as the largest HTTP timeout, plus
+ *	   idempotency.relay_visibility_margin.  A chain's webhooks go one after
+ *	   the other, though, so a pass may run longer: then it renews its
+ *	   claims, a window further each time, before half the window has gone
+ *	   (relay_renew_claims, from the HTTP step).  visible_until records that
+ *	   the outcome is outstanding, so a later claim knows the attempt was
  *	   interrupted and counts the repeat as a possible duplicate.
  *
  *	2. HTTP deliveries, outside any transaction when the pass manages its own
  *	   (relay_http.c: many requests in flight on kept-alive connections).
  *
- *	3. Record.  In a second, short transaction: NOTIFY and function
+ *	3. Record.  When the batch holds both webhooks and in-database
+ *	   deliveries, the webhooks' outcomes are recorded first, in a short
+ *	   transaction of their own (3a): function calls may take a while, and
+ *	   nothing renews the claims meanwhile.  Then (3b), in another
+ *	   transaction: NOTIFY and function
  *	   deliveries are made here, so that the effect and the mark "delivered"
  *	   commit together -- exactly once into the database.  The relay first
  *	   re-locks those deliveries and checks that its claim (the attempt
@@ -90,6 +97,7 @@ static SPIPlanPtr claim_all_plan = NULL;
 static SPIPlanPtr followers_plan = NULL;
 static SPIPlanPtr dests_plan = NULL;
 static SPIPlanPtr lock_plan = NULL;
+static SPIPlanPtr renew_plan = NULL;
 static SPIPlanPtr record_plan = NULL;
 static SPIPlanPtr disable_plan = NULL;
 static SPIPlanPtr next_due_plan = NULL;
@@ -341,7 +349,8 @@ relay_item_cmp(const void *a, const void *b)
 	"  WHERE d.ctid = picked.tid" \
 	" RETURNING d.event_id, d.destination_id, d.attempts, d.seq, picked.interrupted, d.key)" \
 	" SELECT c.event_id, c.destination_id, c.attempts, c.seq, c.interrupted," \
-	"        x.topic, x.published_at, x.body, x.envelope, x.headers, c.key" \
+	"        x.topic, x.published_at, x.body, x.envelope, x.headers, c.key," \
+	"        (SELECT at FROM deadline) AS claimed_until" \
 	"   FROM claimed c JOIN idempotency.destinations t ON t.id = c.destination_id," \
 	"   LATERAL (" \
 	"    SELECT o.topic, o.published_at," \
@@ -380,6 +389,7 @@ relay_read_claimed(MemoryContext cxt, RelayItem **items, int n)
 		d = SPI_getbinval(tup, SPI_tuptable->tupdesc, 10, &isnull);
 		it->event_headers = isnull ? NULL : DatumGetJsonbPCopy(d);
 		it->key = spi_text(tup, 11);
+		it->claimed_until = DatumGetTimestampTz(spi_value(tup, 12, 0));
 		it->outcome = RELAY_PENDING;
 		MemoryContextSwitchTo(old);
 		items[n++] = it;
@@ -723,6 +733,99 @@ relay_relock(RelayItem **items, int n, bool *any)
 			relay_release_chain(mine[i]);
 }
 
+/*
+ * Renew the claims of a pass that runs longer than a claim's window (see
+ * RelayLease): every delivery still ours -- pending, with the attempt number
+ * we claimed it with, whatever became of it in this pass so far -- stays
+ * hidden from other relays for another window from now.  One that is no
+ * longer ours (its deadline passed after all and another relay claimed it,
+ * or its destination was dropped) is not sent if it has not been, nor is
+ * the rest of its chain.  Runs in a short transaction of its own; called
+ * while no transaction is open, with requests in flight (http_deliver).
+ */
+void
+relay_renew_claims(RelayItem **items, int n, RelayLease *lease)
+{
+	MemoryContext cxt = CurrentMemoryContext;
+	Oid			argtypes[4] = {UUIDARRAYOID, INT4ARRAYOID, INT4ARRAYOID, TIMESTAMPTZOID};
+	Datum		values[4];
+	Datum	   *ids;
+	Datum	   *dests;
+	Datum	   *attempts;
+	RelayItem **mine;
+	bool	   *renewed;
+	int			m = 0;
+	RelayStep	step;
+	SPIPlanPtr	plan;
+	int			save_nestlevel;
+	int			rc;
+
+	Assert(lease->renewable && !IsTransactionState());
+	step.own_xact = true;
+	if (!relay_step_begin(&step, "idempotency relay: renew claims", false))
+	{
+		MemoryContextSwitchTo(cxt);
+		lease->renew_at = GetCurrentTimestamp() + Max(lease->window_us / 2, 1000);
+		return;
+	}
+
+	/* Allocated in the step's memory, gone at its end. */
+	ids = palloc(sizeof(Datum) * n);
+	dests = palloc(sizeof(Datum) * n);
+	attempts = palloc(sizeof(Datum) * n);
+	mine = palloc(sizeof(RelayItem *) * n);
+	renewed = palloc0(sizeof(bool) * n);
+	for (int i = 0; i < n; i++)
+	{
+		if (items[i]->outcome == RELAY_SKIPPED)
+			continue;
+		ids[m] = UUIDPGetDatum(&items[i]->event_id);
+		dests[m] = Int32GetDatum(items[i]->dest_id);
+		attempts[m] = Int32GetDatum(items[i]->attempts);
+		mine[m++] = items[i];
+	}
+	if (m > 0)
+	{
+		plan = relay_prepare(&renew_plan,
+							 "WITH r AS ("
+							 " SELECT * FROM unnest($1::uuid[], $2::int4[], $3::int4[]) WITH ORDINALITY"
+							 "   AS r(event_id, destination_id, attempts, n)),"
+							 " found AS MATERIALIZED ("
+							 " SELECT r.n, r.attempts, x.tid FROM r,"
+							 "   LATERAL (SELECT d.ctid AS tid FROM idempotency.deliveries d"
+							 "             WHERE d.event_id = r.event_id"
+							 "               AND d.destination_id = r.destination_id"
+							 "             LIMIT 1) x)"
+							 " UPDATE idempotency.deliveries d"
+							 "    SET next_attempt_at = $4, visible_until = $4"
+							 "   FROM found f"
+							 "  WHERE d.ctid = f.tid AND d.state = 'pending' AND d.attempts = f.attempts"
+							 " RETURNING f.n",
+							 4, argtypes);
+		values[0] = relay_array(ids, NULL, m, UUIDOID);
+		values[1] = relay_array(dests, NULL, m, INT4OID);
+		values[2] = relay_array(attempts, NULL, m, INT4OID);
+		values[3] = TimestampTzGetDatum(GetCurrentTimestamp() + lease->window_us);
+		save_nestlevel = relay_plan_settings();
+		rc = SPI_execute_plan(plan, values, NULL, false, 0);
+		AtEOXact_GUC(true, save_nestlevel);
+		if (rc != SPI_OK_UPDATE_RETURNING)
+			elog(ERROR, "could not renew claimed outbox deliveries");
+		for (uint64 i = 0; i < SPI_processed; i++)
+			renewed[DatumGetInt64(spi_value(SPI_tuptable->vals[i], 1, 0)) - 1] = true;
+
+		for (int j = 0; j < m; j++)
+			if (!renewed[j] && mine[j]->outcome == RELAY_PENDING && !mine[j]->sent)
+			{
+				mine[j]->outcome = RELAY_SKIPPED;
+				relay_release_chain(mine[j]);
+			}
+	}
+	relay_step_end(&step);
+	MemoryContextSwitchTo(cxt);
+	lease->renew_at = GetCurrentTimestamp() + Max(lease->window_us / 2, 1000);
+}
+
 /* The message of a failed delivery, in the pass's memory. */
 static void
 relay_fail(RelayItem *it, MemoryContext cxt, int32 status, const char *error)
@@ -990,6 +1093,16 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 	return nmissed;
 }
 
+/* Record the outcomes of items, and again those of successes a race made us miss. */
+static void
+relay_record_all(RelayItem **items, int n, RelayItem **missed)
+{
+	int			nmissed = relay_record(items, n, missed);
+
+	for (int retry = 0; nmissed > 0 && retry < 2; retry++)
+		nmissed = relay_record(missed, nmissed, missed);
+}
+
 /* Disable the destinations whose endpoint answered 410 Gone in this pass. */
 static void
 relay_disable(List *dests)
@@ -1046,42 +1159,78 @@ relay_pass(int max_events)
 		List	   *dests;
 		RelayItem **items;
 		RelayItem **missed;
+		RelayItem **http_items;
+		RelayItem **local_items;
 		int			n;
-		int			nmissed;
-		bool		any_http = false;
+		int			nhttp = 0;
+		int			nlocal = 0;
+		bool		split;
 		bool		any_local;
+		TimestampTz claimed_at = GetCurrentTimestamp();
+		TimestampTz claimed_until = 0;
+		RelayLease	lease;
 
 		/* Step 1: claim. */
 		if (!relay_step_begin(&step, "idempotency relay: claim", true))
 			goto done;
-		n = relay_claim(max_events, GetCurrentTimestamp(), passcxt, &items);
+		n = relay_claim(max_events, claimed_at, passcxt, &items);
 		dests = relay_load_dests(passcxt);
 		relay_step_end(&step);
 		if (n == 0)
 			goto done;
+		http_items = MemoryContextAlloc(passcxt, sizeof(RelayItem *) * n);
+		local_items = MemoryContextAlloc(passcxt, sizeof(RelayItem *) * n);
 		for (int i = 0; i < n; i++)
 		{
-			items[i]->dest = relay_find_dest(dests, items[i]->dest_id);
+			RelayItem  *it = items[i];
+
+			it->dest = relay_find_dest(dests, it->dest_id);
 			/* Dropped since: its deliveries are gone with it. */
-			if (items[i]->dest == NULL)
-				items[i]->outcome = RELAY_SKIPPED;
-			else if (items[i]->dest->kind == DEST_HTTP)
-				any_http = true;
+			if (it->dest == NULL)
+				it->outcome = RELAY_SKIPPED;
+			else if (it->dest->kind == DEST_HTTP)
+				http_items[nhttp++] = it;
+			else
+				local_items[nlocal++] = it;
+			if (claimed_until == 0 || it->claimed_until < claimed_until)
+				claimed_until = it->claimed_until;
 		}
 
-		/* Step 2: HTTP, outside any transaction of ours. */
-		if (any_http)
+		/*
+		 * Step 2: HTTP, outside any transaction of ours, renewing the claims
+		 * when the requests take longer than they allowed for.
+		 */
+		if (nhttp > 0)
 		{
 			MemoryContext old = MemoryContextSwitchTo(passcxt);
 
-			http_deliver(items, n);
+			lease.renewable = step.own_xact;
+			lease.window_us = Max(claimed_until - claimed_at, 0);
+			lease.renew_at = claimed_at + lease.window_us / 2;
+			http_deliver(items, n, &lease);
 			MemoryContextSwitchTo(old);
 		}
+		missed = MemoryContextAlloc(passcxt, sizeof(RelayItem *) * n);
 
-		/* Step 3: in-database deliveries, then every outcome, in one transaction. */
+		/*
+		 * Step 3a, when in-database deliveries follow webhooks in a pass of
+		 * our own: the webhooks' outcomes first, in a transaction of their
+		 * own.  Function calls may take a while (each up to its timeout),
+		 * and meanwhile nothing would keep the webhooks' claims hidden.
+		 */
+		split = step.own_xact && nhttp > 0 && nlocal > 0;
+		if (split)
+		{
+			if (!relay_step_begin(&step, "idempotency relay: record", false))
+				goto done;
+			relay_record_all(http_items, nhttp, missed);
+			relay_disable(dests);
+			relay_step_end(&step);
+		}
+
+		/* Step 3b: in-database deliveries, then the outcomes, in one transaction. */
 		if (!relay_step_begin(&step, "idempotency relay: record", false))
 			goto done;
-		missed = MemoryContextAlloc(passcxt, sizeof(RelayItem *) * n);
 		relay_relock(items, n, &any_local);
 		for (int i = 0; any_local && i < n; i++)
 		{
@@ -1098,10 +1247,13 @@ relay_pass(int max_events)
 			if (it->outcome != RELAY_DELIVERED)
 				relay_release_chain(it);
 		}
-		nmissed = relay_record(items, n, missed);
-		for (int retry = 0; nmissed > 0 && retry < 2; retry++)
-			nmissed = relay_record(missed, nmissed, missed);
-		relay_disable(dests);
+		if (split)
+			relay_record_all(local_items, nlocal, missed);
+		else
+		{
+			relay_record_all(items, n, missed);
+			relay_disable(dests);
+		}
 		relay_step_end(&step);
 
 		for (int i = 0; i < n; i++)

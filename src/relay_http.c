@@ -357,6 +357,7 @@ http_start(CURLM *m, HttpRequest *req)
 				 errmsg("could not create a libcurl handle")));
 	req->easy = e;
 	req->errbuf[0] = '\0';
+	it->sent = true;
 	curl_easy_setopt(e, CURLOPT_URL, d->target);
 	curl_easy_setopt(e, CURLOPT_PROTOCOLS_STR, "http,https");
 	curl_easy_setopt(e, CURLOPT_FOLLOWLOCATION, 0L);
@@ -428,11 +429,12 @@ http_outcome(HttpRequest *req, CURLcode result)
  * idempotency.relay_max_in_flight at a time, and set each one's outcome.
  * The deliveries of one key to one destination go one after the other: each
  * starts when its predecessor is delivered, and is released (not sent) if
- * the predecessor fails.  Allocates in the current memory context (the
- * pass's).
+ * the predecessor fails.  While requests are under way, the pass's claims
+ * are renewed when lease says so; a delivery that is no longer ours by then
+ * is not sent.  Allocates in the current memory context (the pass's).
  */
 void
-http_deliver(RelayItem **items, int nitems)
+http_deliver(RelayItem **items, int nitems, RelayLease *lease)
 {
 	CURLM	   *m = http_multi();
 	HttpRequest *reqs = palloc0(sizeof(HttpRequest) * nitems);
@@ -462,9 +464,18 @@ http_deliver(RelayItem **items, int nitems)
 			CURLMsg    *msg;
 			int			left;
 
+			/* A long pass: keep its claims hidden from other relays. */
+			if (lease->renewable && GetCurrentTimestamp() >= lease->renew_at)
+				relay_renew_claims(items, nitems, lease);
+
 			while (in_flight < relay_max_in_flight && ready_head < ready_tail)
 			{
-				http_start(m, &reqs[ready[ready_head++]]);
+				HttpRequest *req = &reqs[ready[ready_head++]];
+
+				/* Taken over after all (see relay_renew_claims): not ours to send. */
+				if (req->item->outcome != RELAY_PENDING)
+					continue;
+				http_start(m, req);
 				in_flight++;
 			}
 

@@ -71,18 +71,37 @@ typedef struct RelayItem
 	bool		chain_held;		/* waits for its predecessor in the batch */
 	int			http_slot;		/* relay_http.c: its request */
 
+	TimestampTz claimed_until;	/* the visibility deadline the claim set */
+	bool		sent;			/* http: its request has started */
+
 	RelayOutcome outcome;
 	int32		status;			/* HTTP status, 0 if none */
 	char	   *error;			/* why it failed */
 	TimestampTz finished_at;
 } RelayItem;
 
+/*
+ * How a pass keeps its claims hidden from other relays while it runs.  A
+ * claim hides a delivery for a window sized for the pass's waves of HTTP
+ * requests; a pass that runs longer (a key's chain of webhooks goes out one
+ * after the other) renews its claims before half the window has gone.  Only
+ * a pass that committed its claims renews them: in the caller's transaction
+ * (idem_outbox_relay) the claimed rows stay locked until it ends.
+ */
+typedef struct RelayLease
+{
+	bool		renewable;		/* the claims are committed */
+	int64		window_us;		/* how long a claim or a renewal hides them */
+	TimestampTz renew_at;		/* when to renew them next */
+} RelayLease;
+
 /* relay.c */
 extern void relay_release_chain(RelayItem *it);
+extern void relay_renew_claims(RelayItem **items, int n, RelayLease *lease);
 
 /* relay_http.c */
 extern const char *http_check_url(const char *url);
 extern bytea *http_decode_secret(const char *secret);
-extern void http_deliver(RelayItem **items, int nitems);
+extern void http_deliver(RelayItem **items, int nitems, RelayLease *lease);
 
 #endif							/* IDEM_RELAY_HTTP_H */

@@ -94,9 +94,16 @@ dest_kind_name(DestKind kind)
 static const char *
 dest_allowed_options(DestKind kind)
 {
-	return kind == DEST_HTTP ?
-		"max_attempts, backoff_base, backoff_cap, timeout, secret, secrets, headers" :
-		"max_attempts, backoff_base, backoff_cap";
+	switch (kind)
+	{
+		case DEST_HTTP:
+			return "max_attempts, backoff_base, backoff_cap, timeout, secret, secrets, headers";
+		case DEST_FUNCTION:
+			return "max_attempts, backoff_base, backoff_cap, timeout";
+		case DEST_NOTIFY:
+			break;
+	}
+	return "max_attempts, backoff_base, backoff_cap";
 }
 
 /* A required argument. */
@@ -262,7 +269,7 @@ dest_parse_options(DestKind kind, Jsonb *options, DestOptions *o)
 			o->backoff_base_ms = dest_duration_ms(&v, key, 1, 86400 * 1000L);
 		else if (strcmp(key, "backoff_cap") == 0)
 			o->backoff_cap_ms = dest_duration_ms(&v, key, 1, 30 * 86400 * 1000L);
-		else if (kind == DEST_HTTP && strcmp(key, "timeout") == 0)
+		else if ((kind == DEST_HTTP || kind == DEST_FUNCTION) && strcmp(key, "timeout") == 0)
 			o->timeout_ms = dest_duration_ms(&v, key, 1, 3600 * 1000L);
 		else if (kind == DEST_HTTP && strcmp(key, "secret") == 0)
 		{

@@ -65,7 +65,7 @@ typedef enum DestKind
 #define DEST_DEFAULT_MAX_ATTEMPTS	10
 #define DEST_DEFAULT_BACKOFF_BASE	1000		/* ms */
 #define DEST_DEFAULT_BACKOFF_CAP	3600000		/* ms: one hour */
-#define DEST_DEFAULT_TIMEOUT		10000		/* ms */
+#define DEST_DEFAULT_TIMEOUT		10000		/* ms: a function call, an HTTP request */
 
 /* GUCs */
 extern int	outbox_retention;

@@ -66,6 +66,7 @@
 #include "catalog/pg_proc.h"
 #include "catalog/pg_type.h"
 #include "commands/async.h"
+#include "commands/trigger.h"
 #include "common/pg_prng.h"
 #include "executor/spi.h"
 #include "miscadmin.h"
@@ -80,8 +81,10 @@
 #include "utils/memutils.h"
 #include "utils/snapmgr.h"
 #include "utils/syscache.h"
+#include "utils/timeout.h"
 #include "utils/uuid.h"
 
+#include "claims.h"
 #include "outbox.h"
 #include "relay.h"
 #include "relay_http.h"
@@ -105,6 +108,24 @@ static SPIPlanPtr cleanup_deliveries_plan = NULL;
 static SPIPlanPtr cleanup_orphans_plan = NULL;
 static SPIPlanPtr cleanup_events_plan = NULL;
 static SPIPlanPtr fold_stats_plan = NULL;
+
+/* Whether a relay pass runs in this backend (a destination may not start another). */
+static bool relay_pass_running = false;
+
+/*
+ * Telling a destination function's own errors from a cancel of the relay.
+ * A function may raise query_canceled itself, and its timeout cancels it
+ * the way statement_timeout does; neither must cancel the pass.  While
+ * destination functions run, SIGINT (pg_cancel_backend, or the caller's
+ * statement_timeout) goes through relay_sigint_handler, which notes that
+ * the cancel is real; the function timeout's handler notes that it fired.
+ */
+static volatile sig_atomic_t relay_cancel_requested = false;
+static volatile sig_atomic_t relay_timeout_fired = false;
+static pqsigfunc relay_saved_sigint = NULL;
+static bool relay_sigint_installed = false;
+static bool relay_timeout_registered = false;
+static TimeoutId relay_timeout_id;
 
 /* A transaction step of a pass, in its own transaction or in the caller's. */
 typedef struct RelayStep
@@ -859,11 +880,60 @@ relay_notify(RelayItem *it)
 	it->finished_at = GetCurrentTimestamp();
 }
 
+/* SIGINT while destination functions run: the cancel is real; then what the process does. */
+static void
+relay_sigint_handler(SIGNAL_ARGS)
+{
+	relay_cancel_requested = true;
+	if (relay_saved_sigint != SIG_IGN && relay_saved_sigint != SIG_DFL &&
+		relay_saved_sigint != SIG_ERR && relay_saved_sigint != NULL)
+		(*relay_saved_sigint) (postgres_signal_arg);
+}
+
+/* Route SIGINT through relay_sigint_handler while destination functions run. */
+static void
+relay_watch_cancel(void)
+{
+	if (relay_sigint_installed)
+		return;
+	relay_cancel_requested = false;
+	relay_saved_sigint = pqsignal(SIGINT, relay_sigint_handler);
+	relay_sigint_installed = true;
+}
+
+/* Give SIGINT back to the process's own handler. */
+static void
+relay_unwatch_cancel(void)
+{
+	if (!relay_sigint_installed)
+		return;
+	pqsignal(SIGINT, relay_saved_sigint);
+	relay_sigint_installed = false;
+}
+
+/*
+ * A destination function's timeout has passed: cancel what runs, as
+ * statement_timeout does, but remember that it was the timeout.  Runs in
+ * the SIGALRM handler; the timeout module sets the latch.
+ */
+static void
+relay_function_timeout_handler(void)
+{
+	relay_timeout_fired = true;
+	QueryCancelPending = true;
+	InterruptPending = true;
+}
+
 /*
  * Call a destination function with the event's envelope, in a
  * subtransaction, as the role that created the destination and with its
- * search_path, in a security-restricted operation.  An error rolls the
- * subtransaction back and makes the delivery fail; a cancel still cancels.
+ * search_path, in a security-restricted operation, for at most the
+ * destination's timeout.  Whatever the function does wrong -- raise any
+ * error, query_canceled included; run past its timeout; leave an
+ * idempotency claim unfinished, which would make the commit fail -- rolls
+ * the subtransaction back and makes this delivery fail, to be retried or
+ * dead-lettered.  Only a cancel of the relay itself (pg_cancel_backend, or
+ * the caller's statement_timeout) cancels the pass.
  */
 static void
 relay_call_function(RelayItem *it, MemoryContext cxt)
@@ -871,6 +941,14 @@ relay_call_function(RelayItem *it, MemoryContext cxt)
 	RelayDest  *d = it->dest;
 	MemoryContext oldcxt = CurrentMemoryContext;
 	ResourceOwner oldowner = CurrentResourceOwner;
+	bool		claims_before = claims_pending();
+
+	if (!relay_timeout_registered)
+	{
+		relay_timeout_id = RegisterTimeout(USER_TIMEOUT, relay_function_timeout_handler);
+		relay_timeout_registered = true;
+	}
+	relay_timeout_fired = false;
 
 	BeginInternalSubTransaction(NULL);
 	MemoryContextSwitchTo(oldcxt);
@@ -910,7 +988,24 @@ relay_call_function(RelayItem *it, MemoryContext cxt)
 		InitFunctionCallInfoData(*callinfo, &d->flinfo, 1, InvalidOid, NULL, NULL);
 		callinfo->args[0].value = JsonbPGetDatum(it->envelope);
 		callinfo->args[0].isnull = false;
+		enable_timeout_after(relay_timeout_id, (int) d->timeout_ms);
 		(void) FunctionCallInvoke(callinfo);
+		disable_timeout(relay_timeout_id, false);
+
+		/* A cancel of the relay that the function swallowed still cancels. */
+		if (relay_cancel_requested)
+			ereport(ERROR,
+					(errcode(ERRCODE_QUERY_CANCELED),
+					 errmsg("canceling statement due to user request")));
+		/* The timeout fired as the function returned: it returned in time. */
+		if (relay_timeout_fired)
+			QueryCancelPending = false;
+		/* The commit guard would fail the relay's transaction: fail the call. */
+		if (!claims_before && claims_pending())
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_TRANSACTION_STATE),
+					 errmsg("destination function left an idempotency claim unfinished"),
+					 errhint("Finish every claim the function makes with idem_succeed() or idem_release().")));
 
 		AtEOXact_GUC(true, save_nestlevel);
 		SetUserIdAndSecContext(save_userid, save_sec_context);
@@ -925,6 +1020,7 @@ relay_call_function(RelayItem *it, MemoryContext cxt)
 	{
 		ErrorData  *edata;
 
+		disable_timeout(relay_timeout_id, false);
 		MemoryContextSwitchTo(oldcxt);
 		edata = CopyErrorData();
 		FlushErrorState();
@@ -932,16 +1028,21 @@ relay_call_function(RelayItem *it, MemoryContext cxt)
 		RollbackAndReleaseCurrentSubTransaction();
 		MemoryContextSwitchTo(oldcxt);
 		CurrentResourceOwner = oldowner;
-		if (edata->sqlerrcode == ERRCODE_QUERY_CANCELED)
+		if (relay_cancel_requested)
 			ReThrowError(edata);
-		relay_fail(it, cxt, 0, edata->message);
+		if (relay_timeout_fired && edata->sqlerrcode == ERRCODE_QUERY_CANCELED)
+			relay_fail(it, cxt, 0,
+					   psprintf("the function did not return within the destination's timeout of %lld ms",
+								(long long) d->timeout_ms));
+		else
+			relay_fail(it, cxt, 0, edata->message);
 		FreeErrorData(edata);
 	}
 	PG_END_TRY();
 }
 
 /*
- * Step 3b: record every outcome in one statement, and append the pass's
+ * Step 3: record every outcome in one statement, and append the pass's
  * counts to each destination's counters (a row of increments, which no
  * other relay waits for).  A failure is rescheduled with
  * exponential backoff and full jitter, or dead after max_attempts; a result
@@ -981,7 +1082,7 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 		TimestampTz next_at = it->finished_at;
 
 		if (it->outcome != RELAY_DELIVERED && it->outcome != RELAY_FAILED &&
-			it->outcome != RELAY_RELEASED)
+			it->outcome != RELAY_RELEASED && it->outcome != RELAY_ABANDONED)
 			continue;
 		if (it->outcome == RELAY_RELEASED)
 		{
@@ -989,6 +1090,8 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 			state = "pending";
 			next_at = it->finished_at = GetCurrentTimestamp();
 		}
+		else if (it->outcome == RELAY_ABANDONED)
+			state = "dead";		/* not attempted either: its attempt given back */
 		else if (it->outcome == RELAY_DELIVERED)
 			state = "delivered";
 		else if (it->attempts >= d->max_attempts)
@@ -1015,7 +1118,8 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 		error_nulls[m] = (it->error == NULL);
 		cols[7][m] = Int64GetDatum(it->finished_at - it->published_at);
 		cols[8][m] = BoolGetDatum(it->interrupted);
-		cols[9][m] = BoolGetDatum(it->outcome == RELAY_RELEASED);
+		cols[9][m] = BoolGetDatum(it->outcome == RELAY_RELEASED ||
+								  it->outcome == RELAY_ABANDONED);
 		mine[m++] = it;
 	}
 	if (m == 0)
@@ -1027,9 +1131,10 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 						 "                      $5::timestamptz[], $6::int4[], $7::text[], $8::int8[],"
 						 "                      $9::bool[], $10::bool[]) WITH ORDINALITY"
 						 "   AS r(event_id, destination_id, attempts, state, at, status, error,"
-						 "        latency_us, interrupted, released, n)),"
+						 "        latency_us, interrupted, given_back, n)),"
 						 " found AS MATERIALIZED ("
-						 " SELECT r.*, x.tid, 'pending'::text AS pending FROM r,"
+						 " SELECT r.*, r.given_back AND r.state = 'pending' AS released,"
+						 "        x.tid, 'pending'::text AS pending FROM r,"
 						 "   LATERAL (SELECT d.ctid AS tid, d.state AS current_state"
 						 "              FROM idempotency.deliveries d"
 						 "             WHERE d.event_id = r.event_id AND d.destination_id = r.destination_id"
@@ -1042,7 +1147,7 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 						 "        visible_until = CASE WHEN r.released AND r.interrupted"
 						 "                             THEN d.visible_until END,"
 						 "        delivered_at = CASE WHEN r.state = 'delivered' THEN r.at END,"
-						 "        attempts = d.attempts - r.released::int,"
+						 "        attempts = d.attempts - r.given_back::int,"
 						 "        first_attempt_at = CASE WHEN r.released AND d.attempts = 1"
 						 "                                THEN NULL ELSE d.first_attempt_at END,"
 						 "        last_status = CASE WHEN r.released THEN d.last_status ELSE r.status END,"
@@ -1059,7 +1164,7 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 						 "        count(*) FILTER (WHERE state = 'delivered'),"
 						 "        count(*) FILTER (WHERE state = 'pending' AND NOT released),"
 						 "        count(*) FILTER (WHERE state = 'dead'),"
-						 "        count(*) FILTER (WHERE interrupted AND NOT released),"
+						 "        count(*) FILTER (WHERE interrupted AND NOT given_back),"
 						 "        coalesce(sum(latency_us) FILTER (WHERE state = 'delivered'), 0),"
 						 "        (array_agg(latency_us ORDER BY n DESC) FILTER (WHERE state = 'delivered'))[1],"
 						 "        max(at) FILTER (WHERE state = 'delivered')"
@@ -1141,6 +1246,7 @@ static int64
 relay_pass(int max_events)
 {
 	RelayStep	step;
+	MemoryContext entrycxt = CurrentMemoryContext;
 	MemoryContext passcxt;
 	volatile int64 attempted = 0;
 
@@ -1148,12 +1254,18 @@ relay_pass(int max_events)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("max_events must be at least 1")));
+	if (relay_pass_running)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("a relay pass cannot run inside another"),
+				 errdetail("A destination function called idem_outbox_relay().")));
 	if (RecoveryInProgress())
 		return 0;
 
 	step.own_xact = !IsTransactionState();
 	passcxt = AllocSetContextCreate(step.own_xact ? TopMemoryContext : CurrentMemoryContext,
 									"outbox relay pass", ALLOCSET_DEFAULT_SIZES);
+	relay_pass_running = true;
 	PG_TRY();
 	{
 		List	   *dests;
@@ -1194,6 +1306,23 @@ relay_pass(int max_events)
 				local_items[nlocal++] = it;
 			if (claimed_until == 0 || it->claimed_until < claimed_until)
 				claimed_until = it->claimed_until;
+
+			/*
+			 * Its last allowed attempt was interrupted before its outcome was
+			 * recorded (the relay died, or its transaction failed at commit):
+			 * perhaps a poison event, dead without another attempt.
+			 */
+			if (it->dest != NULL && it->interrupted && it->attempts > it->dest->max_attempts)
+			{
+				char		why[160];
+
+				snprintf(why, sizeof(why),
+						 "not attempted again: its last attempt (%d of max_attempts %d) was interrupted before its outcome was recorded",
+						 it->attempts - 1, it->dest->max_attempts);
+				relay_fail(it, passcxt, 0, why);
+				it->outcome = RELAY_ABANDONED;
+				relay_release_chain(it);
+			}
 		}
 
 		/*
@@ -1232,6 +1361,21 @@ relay_pass(int max_events)
 		if (!relay_step_begin(&step, "idempotency relay: record", false))
 			goto done;
 		relay_relock(items, n, &any_local);
+		if (any_local)
+			relay_watch_cancel();
+		if (any_local && step.own_xact)
+		{
+			/*
+			 * Deferred constraints are checked as each function's statements
+			 * end, not at our commit: a function that violates one fails its
+			 * own delivery, not the transaction that records every outcome.
+			 */
+			ConstraintsSetStmt *immediate = makeNode(ConstraintsSetStmt);
+
+			immediate->constraints = NIL;
+			immediate->deferred = false;
+			AfterTriggerSetState(immediate);
+		}
 		for (int i = 0; any_local && i < n; i++)
 		{
 			RelayItem  *it = items[i];
@@ -1247,6 +1391,7 @@ relay_pass(int max_events)
 			if (it->outcome != RELAY_DELIVERED)
 				relay_release_chain(it);
 		}
+		relay_unwatch_cancel();
 		if (split)
 			relay_record_all(local_items, nlocal, missed);
 		else
@@ -1264,6 +1409,9 @@ done:
 	}
 	PG_FINALLY();
 	{
+		relay_unwatch_cancel();
+		relay_pass_running = false;
+		MemoryContextSwitchTo(entrycxt);
 		MemoryContextDelete(passcxt);
 	}
 	PG_END_TRY();
@@ -1276,6 +1424,36 @@ int64
 relay_run(int max_events)
 {
 	return relay_pass(max_events);
+}
+
+/* See relay.h. */
+bool
+bgworker_run_guarded(const char *what, void (*unit) (void *arg), void *arg)
+{
+	MemoryContext cxt = CurrentMemoryContext;
+	volatile bool ok = true;
+
+	Assert(!IsTransactionState());
+	PG_TRY();
+	{
+		unit(arg);
+	}
+	PG_CATCH();
+	{
+		/* As autovacuum does after an error on one table. */
+		HOLD_INTERRUPTS();
+		MemoryContextSwitchTo(cxt);
+		errcontext("%s", what);
+		EmitErrorReport();
+		AbortOutOfAnyTransaction();
+		MemoryContextSwitchTo(cxt);
+		FlushErrorState();
+		pgstat_report_activity(STATE_IDLE, NULL);
+		RESUME_INTERRUPTS();
+		ok = false;
+	}
+	PG_END_TRY();
+	return ok;
 }
 
 /* See relay.h. */

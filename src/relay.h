@@ -31,6 +31,17 @@
 extern int64 relay_run(int max_events);
 
 /*
+ * Run unit(arg), a piece of a background worker's work (a relay pass, a
+ * cleanup pass), so that an error ends only that piece: the error is
+ * logged with what as its context, the transaction is aborted, and false
+ * is returned; the worker backs off and goes on, as autovacuum does after
+ * an error on one table.  A cancel (pg_cancel_backend) thus cancels the
+ * piece at work; a terminate (pg_terminate_backend, FATAL) still ends the
+ * process.  Called outside any transaction.
+ */
+extern bool bgworker_run_guarded(const char *what, void (*unit) (void *arg), void *arg);
+
+/*
  * The earliest next_attempt_at of a pending delivery of an active
  * destination (the visibility deadline of a claimed one included), or 0 if
  * there is none: the worker can sleep until then.

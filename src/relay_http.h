@@ -46,8 +46,11 @@ typedef enum RelayOutcome
 	RELAY_DELIVERED,
 	RELAY_FAILED,
 	RELAY_SKIPPED,				/* another relay owns it now: record nothing */
-	RELAY_RELEASED				/* not attempted: its key's previous delivery was not
+	RELAY_RELEASED,				/* not attempted: its key's previous delivery was not
 								 * delivered; the claim is given back */
+	RELAY_ABANDONED				/* not attempted: its last allowed attempt was
+								 * interrupted before its outcome was recorded; it
+								 * is dead */
 } RelayOutcome;
 
 /* One claimed delivery. */

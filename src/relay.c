@@ -1423,6 +1423,9 @@ done:
 int64
 relay_run(int max_events)
 {
+	/* A server made read-only on purpose gets no writes from us either. */
+	if (DefaultXactReadOnly)
+		return 0;
 	return relay_pass(max_events);
 }
 
@@ -1528,6 +1531,9 @@ outbox_cleanup(int batch)
 	if (RecoveryInProgress())
 		return 0;
 	step.own_xact = !IsTransactionState();
+	/* As for the relay: a server made read-only gets no writes from the worker. */
+	if (step.own_xact && DefaultXactReadOnly)
+		return 0;
 	cutoff = GetCurrentTimestamp() - (int64) outbox_retention * USECS_PER_SEC;
 
 	/* Delivered deliveries past the retention. */

@@ -751,8 +751,32 @@ worker_pass(void)
 static TimestampTz
 worker_relay(bool *more)
 {
+	static bool read_only_logged = false;
 	TimestampTz start = GetCurrentTimestamp();
 	int64		attempted;
+
+	/*
+	 * A server made read-only on purpose gets no writes from us either (a
+	 * claim is an UPDATE); the reload that ends it wakes us.
+	 */
+	*more = false;
+	if (DefaultXactReadOnly)
+	{
+		if (!read_only_logged)
+			ereport(LOG,
+					(errmsg("idempotency relay of database \"%s\" is paused: default_transaction_read_only is on",
+							worker_dbname),
+					 errdetail("Events are delivered again once it is off.")));
+		read_only_logged = true;
+		return 0;
+	}
+	if (read_only_logged)
+	{
+		ereport(LOG,
+				(errmsg("idempotency relay of database \"%s\" resumes: default_transaction_read_only is off",
+						worker_dbname)));
+		read_only_logged = false;
+	}
 
 	while ((attempted = relay_run(relay_batch_size)) > 0)
 	{
@@ -767,7 +791,6 @@ worker_relay(bool *more)
 			return GetCurrentTimestamp();
 		}
 	}
-	*more = false;
 	return relay_next_due();
 }
 

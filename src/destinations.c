@@ -457,6 +457,13 @@ dest_check_target(DestKind kind, const char *target, Oid *func)
 							(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 							 errmsg("invalid 'http' target URL"),
 							 errdetail("%s", why)));
+				why = http_check_url_host(target);
+				if (why != NULL)
+					ereport(ERROR,
+							(errcode(ERRCODE_INSUFFICIENT_PRIVILEGE),
+							 errmsg("'http' target URL leads to a non-public address"),
+							 errdetail("%s", why),
+							 errhint("The relay connects only to public addresses; a superuser can allow others in idempotency.relay_allowed_networks.")));
 				return pstrdup(target);
 			}
 	}

@@ -63,6 +63,7 @@ int			relay_max_in_flight = 64;
 int			outbox_max_event_bytes = 1024 * 1024;
 int			relay_visibility_margin = 30000;
 int			relay_workers = 1;
+char	   *relay_allowed_networks = NULL;
 
 /* Set by idem_publish (and the operator functions): wake the relay at commit. */
 static bool wake_at_commit = false;
@@ -136,6 +137,13 @@ OutboxInit(void)
 							1, 1, RELAY_MAX_WORKERS,
 							PGC_SIGHUP, 0,
 							NULL, NULL, NULL);
+	DefineCustomStringVariable("idempotency.relay_allowed_networks",
+							   "Non-public addresses that http destinations may reach.",
+							   "IP addresses and CIDR networks, comma-separated.  The relay refuses to connect to loopback, private, link-local and other special-purpose addresses unless listed here; names are checked by the address they resolve to.",
+							   &relay_allowed_networks,
+							   "",
+							   PGC_SUSET, GUC_LIST_INPUT,
+							   http_check_allowed_networks, http_assign_allowed_networks, NULL);
 	DefineCustomIntVariable("idempotency.max_event_bytes",
 							"Largest event idem_publish accepts, payload and headers together.",
 							NULL,

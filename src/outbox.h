@@ -10,6 +10,7 @@
 
 #include "postgres.h"
 
+#include "utils/guc.h"
 #include "utils/jsonb.h"
 #include "utils/timestamp.h"
 #include "utils/uuid.h"
@@ -74,6 +75,7 @@ extern int	relay_max_in_flight;
 extern int	outbox_max_event_bytes;
 extern int	relay_visibility_margin;
 extern int	relay_workers;
+extern char *relay_allowed_networks;
 
 /* Most relay processes per database (idempotency.relay_workers). */
 #define RELAY_MAX_WORKERS	16
@@ -96,6 +98,10 @@ extern void outbox_wake_at_commit(void);
 extern bool outbox_topic_matches(Datum topics, text *topic);
 extern void outbox_check_headers(Jsonb *headers, const char *what);
 extern void outbox_check_name(text *value, const char *what);
+
+/* relay_http.c: the hooks of idempotency.relay_allowed_networks */
+extern bool http_check_allowed_networks(char **newval, void **extra, GucSource source);
+extern void http_assign_allowed_networks(const char *newval, void *extra);
 
 /* destinations.c */
 extern DestKind dest_kind_from_name(const char *kind);

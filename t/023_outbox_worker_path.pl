@@ -38,6 +38,8 @@ shared_preload_libraries = 'idempotency'
 restart_after_crash = on
 idempotency.relay_max_in_flight = 10
 idempotency.relay_visibility_margin = '1s'
+# the sink listens on loopback, which the relay refuses unless allowed
+idempotency.relay_allowed_networks = '127.0.0.1'
 });
 $node->start;
 $node->safe_psql('postgres', q{

@@ -36,6 +36,8 @@ $node->append_conf('postgresql.conf', q{
 shared_preload_libraries = 'idempotency'
 idempotency.relay_max_in_flight = 10
 idempotency.relay_visibility_margin = 0
+# the sink listens on loopback, which the relay refuses unless allowed
+idempotency.relay_allowed_networks = '127.0.0.1'
 });
 $node->start;
 $node->safe_psql('postgres', q{

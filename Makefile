@@ -19,7 +19,7 @@ REGRESS = canonical claim errors commit_guard expiry execute privileges phases c
 # Background worker, inbox and statistics
 REGRESS += inbox stats
 # Transactional outbox and relay
-REGRESS += outbox outbox_errors outbox_privileges outbox_plans outbox_ssrf
+REGRESS += outbox outbox_errors outbox_privileges outbox_plans outbox_ssrf outbox_notify
 # Last: it re-creates the extension in a database of its own.
 REGRESS += upgrade
 ISOLATION = $(patsubst specs/%.spec,%,$(sort $(wildcard specs/*.spec)))

@@ -101,7 +101,7 @@ dest_allowed_options(DestKind kind)
 		case DEST_FUNCTION:
 			return "max_attempts, backoff_base, backoff_cap, timeout";
 		case DEST_NOTIFY:
-			break;
+			return "max_attempts, backoff_base, backoff_cap, reference";
 	}
 	return "max_attempts, backoff_base, backoff_cap";
 }
@@ -269,6 +269,14 @@ dest_parse_options(DestKind kind, Jsonb *options, DestOptions *o)
 			o->backoff_base_ms = dest_duration_ms(&v, key, 1, 86400 * 1000L);
 		else if (strcmp(key, "backoff_cap") == 0)
 			o->backoff_cap_ms = dest_duration_ms(&v, key, 1, 30 * 86400 * 1000L);
+		else if (kind == DEST_NOTIFY && strcmp(key, "reference") == 0)
+		{
+			/* The relay reads it from the options column. */
+			if (v.type != jbvBool)
+				ereport(ERROR,
+						(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+						 errmsg("option \"reference\" must be true or false")));
+		}
 		else if ((kind == DEST_HTTP || kind == DEST_FUNCTION) && strcmp(key, "timeout") == 0)
 			o->timeout_ms = dest_duration_ms(&v, key, 1, 3600 * 1000L);
 		else if (kind == DEST_HTTP && strcmp(key, "secret") == 0)

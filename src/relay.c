@@ -263,7 +263,8 @@ relay_load_dests(MemoryContext cxt)
 
 	plan = relay_prepare(&dests_plan,
 						 "SELECT id, name, kind, target, func, run_as, search_path, secrets,"
-						 "       headers, max_attempts, backoff_base_ms, backoff_cap_ms, timeout_ms"
+						 "       headers, max_attempts, backoff_base_ms, backoff_cap_ms, timeout_ms,"
+						 "       options @> '{\"reference\": true}'"
 						 "  FROM idempotency.destinations",
 						 0, NULL);
 	if (SPI_execute_plan(plan, NULL, NULL, false, 0) != SPI_OK_SELECT)
@@ -305,6 +306,7 @@ relay_load_dests(MemoryContext cxt)
 		d->backoff_base_ms = DatumGetInt64(spi_value(tup, 11, Int64GetDatum(DEST_DEFAULT_BACKOFF_BASE)));
 		d->backoff_cap_ms = DatumGetInt64(spi_value(tup, 12, Int64GetDatum(DEST_DEFAULT_BACKOFF_CAP)));
 		d->timeout_ms = DatumGetInt64(spi_value(tup, 13, Int64GetDatum(DEST_DEFAULT_TIMEOUT)));
+		d->reference = DatumGetBool(spi_value(tup, 14, BoolGetDatum(false)));
 		dests = lappend(dests, d);
 		MemoryContextSwitchTo(old);
 	}
@@ -375,8 +377,9 @@ relay_item_cmp(const void *a, const void *b)
 	"   FROM claimed c JOIN idempotency.destinations t ON t.id = c.destination_id," \
 	"   LATERAL (" \
 	"    SELECT o.topic, o.published_at," \
-	"      CASE t.kind WHEN 'http' THEN o.payload::text" \
-	"        WHEN 'notify' THEN jsonb_build_object('id', o.event_id, 'topic', o.topic," \
+	"      CASE WHEN t.kind = 'http' THEN o.payload::text" \
+	"        WHEN t.kind = 'notify' AND NOT t.options @> '{\"reference\": true}'" \
+	"        THEN jsonb_build_object('id', o.event_id, 'topic', o.topic," \
 	"          'key', o.key, 'payload', o.payload, 'headers', o.headers," \
 	"          'published_at', o.published_at)::text END AS body," \
 	"      CASE t.kind WHEN 'function' THEN jsonb_build_object('id', o.event_id," \
@@ -857,13 +860,17 @@ relay_fail(RelayItem *it, MemoryContext cxt, int32 status, const char *error)
 	it->finished_at = GetCurrentTimestamp();
 }
 
-/* NOTIFY the destination's channel: the envelope, or a reference if it is too large. */
+/*
+ * NOTIFY the destination's channel: the envelope, or a reference (the event
+ * id and topic) if the destination asks for one or the envelope is too
+ * large.
+ */
 static void
 relay_notify(RelayItem *it)
 {
 	const char *payload = it->body;
 
-	if (strlen(payload) >= RELAY_NOTIFY_MAX)
+	if (it->dest->reference || payload == NULL || strlen(payload) >= RELAY_NOTIFY_MAX)
 	{
 		StringInfoData buf;
 

@@ -37,6 +37,7 @@ typedef struct RelayDest
 	FmgrInfo	flinfo;			/* kind 'function', once looked up */
 	bool		flinfo_ready;
 	char	   *disable_reason; /* set when the endpoint answered 410 Gone */
+	bool		reference;		/* kind 'notify': send the event id, not the event */
 } RelayDest;
 
 /* What became of one claimed delivery. */

@@ -490,8 +490,8 @@ relay_claim_heads(int max_events, bool windowed, int pass_max, TimestampTz now,
 	values[0] = TimestampTzGetDatum(now);
 	values[1] = Int32GetDatum(max_events);
 	values[2] = Int32GetDatum(relay_visibility_margin);
-	/* HTTP requests go out in waves of relay_max_in_flight. */
-	values[3] = Int32GetDatum((pass_max + relay_max_in_flight - 1) / relay_max_in_flight);
+	/* HTTP requests go out in waves of http_max_in_flight(). */
+	values[3] = Int32GetDatum((pass_max + http_max_in_flight() - 1) / http_max_in_flight());
 	values[4] = Int32GetDatum(max_events * HEADS_WINDOW);
 	rc = SPI_execute_plan(plan, values, NULL, false, 0);
 	if (rc != SPI_OK_SELECT)
@@ -560,7 +560,7 @@ relay_claim_followers(int room, int pass_max, TimestampTz now, MemoryContext cxt
 	values[0] = TimestampTzGetDatum(now);
 	values[1] = Int32GetDatum(room);
 	values[2] = Int32GetDatum(relay_visibility_margin);
-	values[3] = Int32GetDatum((pass_max + relay_max_in_flight - 1) / relay_max_in_flight);
+	values[3] = Int32GetDatum((pass_max + http_max_in_flight() - 1) / http_max_in_flight());
 	values[4] = relay_array(dests, NULL, nheads, INT4OID);
 	values[5] = relay_array(keys, NULL, nheads, TEXTOID);
 	values[6] = relay_array(seqs, NULL, nheads, INT8OID);

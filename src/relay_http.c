@@ -27,6 +27,12 @@
  * connects to the address it checked.  idem_destination_create refuses
  * early a URL whose host is a forbidden address literal or localhost.
  *
+ * Every socket libcurl opens for the relay is reported to PostgreSQL's file
+ * descriptor accounting (AcquireExternalFD when it opens, ReleaseExternalFD
+ * when it closes), which lets a backend's external descriptors take up to a
+ * third of max_safe_fds; the relay keeps no more requests in flight, nor
+ * connections alive, than that share (http_max_in_flight).
+ *
  * Requests run concurrently on one libcurl multi handle, at most
  * idempotency.relay_max_in_flight at a time.  The multi handle lives as long
  * as the backend, so its connection cache keeps connections alive from one
@@ -51,6 +57,7 @@
 
 #include "common/base64.h"
 #include "miscadmin.h"
+#include "storage/fd.h"
 #include "utils/builtins.h"
 #include "utils/guc.h"
 #include "utils/memutils.h"
@@ -107,6 +114,7 @@ typedef struct HttpRequest
 	struct curl_slist *headers;
 	char		errbuf[CURL_ERROR_SIZE];
 	char		refusal[256];	/* why a connection was refused, or "" */
+	bool		no_fd;			/* refused: no file descriptor to spare */
 } HttpRequest;
 
 /* Initialise libcurl once per backend. */
@@ -122,17 +130,27 @@ http_init(void)
 	curl_initialized = true;
 }
 
+/* Close the backend's multi handle and every connection it keeps alive. */
+static void
+http_multi_close(void)
+{
+	if (multi == NULL)
+		return;
+	curl_multi_cleanup(multi);
+	multi = NULL;
+	/* Its wake-up socket pair. */
+	ReleaseExternalFD();
+	ReleaseExternalFD();
+}
+
 /* The backend's multi handle, created on first use and kept for its connection cache. */
 static CURLM *
 http_multi(void)
 {
 	http_init();
+	/* Connections made under another allowlist: close them all. */
 	if (multi != NULL && multi_generation != http_allowlist_generation)
-	{
-		/* Connections made under another allowlist: close them all. */
-		curl_multi_cleanup(multi);
-		multi = NULL;
-	}
+		http_multi_close();
 	if (multi == NULL)
 	{
 		multi_generation = http_allowlist_generation;
@@ -141,10 +159,25 @@ http_multi(void)
 			ereport(ERROR,
 					(errcode(ERRCODE_OUT_OF_MEMORY),
 					 errmsg("could not create a libcurl multi handle")));
+		/* Its wake-up socket pair. */
+		ReserveExternalFD();
+		ReserveExternalFD();
 	}
-	curl_multi_setopt(multi, CURLMOPT_MAX_HOST_CONNECTIONS, (long) relay_max_in_flight);
-	curl_multi_setopt(multi, CURLMOPT_MAXCONNECTS, (long) relay_max_in_flight);
+	curl_multi_setopt(multi, CURLMOPT_MAX_HOST_CONNECTIONS, (long) http_max_in_flight());
+	curl_multi_setopt(multi, CURLMOPT_MAXCONNECTS, (long) http_max_in_flight());
 	return multi;
+}
+
+/*
+ * How many requests the relay has in flight at most, and connections kept
+ * alive: idempotency.relay_max_in_flight, but no more than the file
+ * descriptors PostgreSQL lets this backend hold besides its own files (a
+ * third of max_safe_fds, as AcquireExternalFD allows).
+ */
+int
+http_max_in_flight(void)
+{
+	return Max(1, Min(relay_max_in_flight, max_safe_fds / 3));
 }
 
 /*
@@ -312,6 +345,7 @@ http_open_socket(void *clientp, curlsocktype purpose, struct curl_sockaddr *addr
 {
 	HttpRequest *req = clientp;
 	const char *why = http_address_refusal(&address->addr);
+	curl_socket_t sock;
 
 	if (why != NULL)
 	{
@@ -329,7 +363,33 @@ http_open_socket(void *clientp, curlsocktype purpose, struct curl_sockaddr *addr
 		}
 		return CURL_SOCKET_BAD;
 	}
-	return socket(address->family, address->socktype, address->protocol);
+	/* A descriptor PostgreSQL must know of: it may not have one to spare. */
+	if (!AcquireExternalFD())
+	{
+		req->no_fd = true;
+		if (req->refusal[0] == '\0')
+			snprintf(req->refusal, sizeof(req->refusal),
+					 "no file descriptor to spare for a connection in this server process (max_files_per_process)");
+		return CURL_SOCKET_BAD;
+	}
+	sock = socket(address->family, address->socktype, address->protocol);
+	if (sock == CURL_SOCKET_BAD)
+		ReleaseExternalFD();
+	return sock;
+}
+
+/*
+ * libcurl's CURLOPT_CLOSESOCKETFUNCTION, for the sockets http_open_socket
+ * opened (also those of connections kept alive): close it and tell
+ * PostgreSQL's accounting.
+ */
+static int
+http_close_socket(void *clientp, curl_socket_t sock)
+{
+	int			rc = close(sock);
+
+	ReleaseExternalFD();
+	return rc;
 }
 
 /* Check hook of idempotency.relay_allowed_networks: IP addresses and CIDR networks. */
@@ -735,12 +795,15 @@ http_start(CURLM *m, HttpRequest *req)
 	req->easy = e;
 	req->errbuf[0] = '\0';
 	req->refusal[0] = '\0';
+	req->no_fd = false;
 	it->sent = true;
 	curl_easy_setopt(e, CURLOPT_URL, d->target);
 	curl_easy_setopt(e, CURLOPT_PROTOCOLS_STR, "http,https");
 	/* Connect only where http_open_socket allows, and directly. */
 	curl_easy_setopt(e, CURLOPT_OPENSOCKETFUNCTION, http_open_socket);
 	curl_easy_setopt(e, CURLOPT_OPENSOCKETDATA, req);
+	curl_easy_setopt(e, CURLOPT_CLOSESOCKETFUNCTION, http_close_socket);
+	curl_easy_setopt(e, CURLOPT_CLOSESOCKETDATA, NULL);
 	curl_easy_setopt(e, CURLOPT_PROXY, "");
 	curl_easy_setopt(e, CURLOPT_FOLLOWLOCATION, 0L);
 	curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
@@ -811,23 +874,30 @@ http_outcome(HttpRequest *req, CURLcode result)
 
 /*
  * Deliver every pending item of kind 'http' in items, at most
- * idempotency.relay_max_in_flight at a time, and set each one's outcome.
+ * http_max_in_flight() at a time, and set each one's outcome.
  * The deliveries of one key to one destination go one after the other: each
  * starts when its predecessor is delivered, and is released (not sent) if
  * the predecessor fails.  While requests are under way, the pass's claims
  * are renewed when lease says so; a delivery that is no longer ours by then
- * is not sent.  Allocates in the current memory context (the pass's).
+ * is not sent.  A request that finds no file descriptor to spare for a new
+ * connection waits for one to come free, and the pass keeps fewer in
+ * flight; with none in flight, the idle connections are closed first.
+ * Allocates in the current memory context (the pass's).
  */
 void
 http_deliver(RelayItem **items, int nitems, RelayLease *lease)
 {
 	CURLM	   *m = http_multi();
 	HttpRequest *reqs = palloc0(sizeof(HttpRequest) * nitems);
-	int		   *ready = palloc(sizeof(int) * nitems);	/* queue of requests */
-	int			nreqs = 0;
+	int		   *ready = palloc(sizeof(int) * nitems);	/* a ring of requests to start */
 	int			ready_head = 0;
-	int			ready_tail = 0;
+	int			ready_len = 0;
+	int			nreqs = 0;
 	int			in_flight = 0;
+	int			max_in_flight = http_max_in_flight();
+	bool		closed_idle = false;
+
+#define READY_PUSH(slot) (ready[(ready_head + ready_len++) % nitems] = (slot))
 
 	for (int i = 0; i < nitems; i++)
 	{
@@ -836,27 +906,29 @@ http_deliver(RelayItem **items, int nitems, RelayLease *lease)
 			items[i]->http_slot = nreqs;
 			reqs[nreqs].item = items[i];
 			if (!items[i]->chain_held)
-				ready[ready_tail++] = nreqs;
+				READY_PUSH(nreqs);
 			nreqs++;
 		}
 	}
 
 	PG_TRY();
 	{
-		while (ready_head < ready_tail || in_flight > 0)
+		while (ready_len > 0 || in_flight > 0)
 		{
 			int			running;
 			CURLMsg    *msg;
 			int			left;
+			bool		close_idle = false;
 
 			/* A long pass: keep its claims hidden from other relays. */
 			if (lease->renewable && GetCurrentTimestamp() >= lease->renew_at)
 				relay_renew_claims(items, nitems, lease);
 
-			while (in_flight < relay_max_in_flight && ready_head < ready_tail)
+			while (in_flight < max_in_flight && ready_len > 0)
 			{
-				HttpRequest *req = &reqs[ready[ready_head++]];
+				HttpRequest *req = &reqs[ready[ready_head++ % nitems]];
 
+				ready_len--;
 				/* Taken over after all (see relay_renew_claims): not ours to send. */
 				if (req->item->outcome != RELAY_PENDING)
 					continue;
@@ -876,19 +948,41 @@ http_deliver(RelayItem **items, int nitems, RelayLease *lease)
 				if (msg->msg != CURLMSG_DONE)
 					continue;
 				curl_easy_getinfo(msg->easy_handle, CURLINFO_PRIVATE, (char **) &req);
+				in_flight--;
+
+				/* No descriptor for a new connection: try again once one is free. */
+				if (req->no_fd && msg->data.result != CURLE_OK &&
+					(in_flight > 0 || !closed_idle))
+				{
+					if (in_flight > 0)
+						max_in_flight = Max(in_flight, 1);
+					else
+						close_idle = true;
+					http_finish(m, req);
+					req->item->sent = false;
+					READY_PUSH(req->item->http_slot);
+					continue;
+				}
+
 				http_outcome(req, msg->data.result);
 				http_finish(m, req);
-				in_flight--;
 
 				/* The next delivery of the key may go now, or never. */
 				next = req->item->chain_next;
 				if (req->item->outcome != RELAY_DELIVERED)
 					relay_release_chain(req->item);
 				else if (next != NULL && next->outcome == RELAY_PENDING)
-					ready[ready_tail++] = next->http_slot;
+					READY_PUSH(next->http_slot);
+			}
+			if (close_idle && in_flight == 0)
+			{
+				/* Idle connections (to other hosts, say) hold descriptors. */
+				http_multi_close();
+				m = http_multi();
+				closed_idle = true;
 			}
 			if (in_flight > 0 &&
-				(ready_head >= ready_tail || in_flight >= relay_max_in_flight))
+				(ready_len == 0 || in_flight >= max_in_flight))
 			{
 				int			numfds;
 
@@ -904,10 +998,11 @@ http_deliver(RelayItem **items, int nitems, RelayLease *lease)
 	{
 		/* Abandon what is in flight; the multi handle stays usable. */
 		for (int i = 0; i < nreqs; i++)
-			http_finish(m, &reqs[i]);
+			http_finish(multi, &reqs[i]);
 		PG_RE_THROW();
 	}
 	PG_END_TRY();
+#undef READY_PUSH
 	pfree(reqs);
 	pfree(ready);
 }

@@ -106,6 +106,7 @@ extern void relay_renew_claims(RelayItem **items, int n, RelayLease *lease);
 /* relay_http.c */
 extern const char *http_check_url(const char *url);
 extern const char *http_check_url_host(const char *url);
+extern int	http_max_in_flight(void);
 extern bytea *http_decode_secret(const char *secret);
 extern void http_deliver(RelayItem **items, int nitems, RelayLease *lease);
 

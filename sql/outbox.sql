@@ -193,9 +193,11 @@ SELECT idem_outbox_relay() AS attempted;
 SELECT topic, attempts, last_error FROM idem_outbox_dead WHERE destination = 'refuser' ORDER BY 1;
 SELECT idem_outbox_redrive_dead('refuser', now() + '1 hour') AS redriven_since_future;
 SELECT idem_outbox_redrive_dead('refuser') AS redriven;
-SELECT state, attempts, count(*) FROM idempotency.deliveries x
+-- A redrive gives back the attempts, not the claims counter: the fencing
+-- token of the claims to come never repeats one of the past.
+SELECT state, attempts, claims, count(*) FROM idempotency.deliveries x
   JOIN idempotency.destinations d ON d.id = x.destination_id
- WHERE d.name = 'refuser' GROUP BY 1, 2;
+ WHERE d.name = 'refuser' GROUP BY 1, 2, 3;
 
 -- Pause: events accumulate; resume: they go out.
 SELECT idem_destination_pause('all');

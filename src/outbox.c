@@ -478,6 +478,9 @@ outbox_fan_out(pg_uuid_t *event_id, int64 seq, text *topic, text *key,
 	nulls[Anum_deliveries_attempts - 1] = false;
 	values[Anum_deliveries_next_attempt_at - 1] = TimestampTzGetDatum(now);
 	nulls[Anum_deliveries_next_attempt_at - 1] = false;
+	/* Not in a table of version 1.1, whose 13 columns are all writer_insert copies. */
+	values[Anum_deliveries_claims - 1] = Int64GetDatum(0);
+	nulls[Anum_deliveries_claims - 1] = false;
 	nulls[Anum_deliveries_destination_id - 1] = false;
 
 	dests = table_open(PUBLISH_DESTINATIONS, AccessShareLock);

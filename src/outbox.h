@@ -39,7 +39,8 @@
 #define Anum_deliveries_delivered_at		11
 #define Anum_deliveries_last_status			12
 #define Anum_deliveries_last_error			13
-#define Natts_deliveries					13
+#define Anum_deliveries_claims				14	/* version 1.2 */
+#define Natts_deliveries					14
 
 /* The columns of idempotency.destinations that idem_publish reads. */
 #define Anum_destinations_id		1

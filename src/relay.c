@@ -66,6 +66,7 @@
 #include "catalog/pg_proc.h"
 #include "catalog/pg_type.h"
 #include "commands/async.h"
+#include "commands/dbcommands.h"
 #include "commands/trigger.h"
 #include "common/pg_prng.h"
 #include "executor/spi.h"
@@ -219,6 +220,34 @@ relay_step_begin(RelayStep *step, const char *activity, bool skippable)
 	return true;
 }
 
+/*
+ * Whether the deliveries have the columns this library's relay uses (the
+ * extension at version 1.2).  Once the library is upgraded, a database
+ * still at 1.1 waits for ALTER EXTENSION idempotency UPDATE: the worker's
+ * passes do nothing meanwhile (said once), a caller of idem_outbox_relay()
+ * is told to update.
+ */
+static bool
+relay_schema_current(bool own_xact)
+{
+	static bool waiting_logged = false;
+
+	if (get_attnum(outbox_relid("deliveries"), "claims") != InvalidAttrNumber)
+		return true;
+	if (!own_xact)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("the outbox relay needs extension \"idempotency\" at version 1.2"),
+				 errhint("Run ALTER EXTENSION idempotency UPDATE.")));
+	if (!waiting_logged)
+		ereport(LOG,
+				(errmsg("the outbox relay of database \"%s\" waits for extension \"idempotency\" version 1.2",
+						get_database_name(MyDatabaseId)),
+				 errhint("Run ALTER EXTENSION idempotency UPDATE.")));
+	waiting_logged = true;
+	return false;
+}
+
 /* End a step: disconnect from SPI and, if the pass manages its own, commit. */
 static void
 relay_step_end(RelayStep *step)
@@ -364,16 +393,18 @@ relay_item_cmp(const void *a, const void *b)
 	" claimed AS (" \
 	" UPDATE idempotency.deliveries d" \
 	"    SET attempts = d.attempts + 1," \
+	"        claims = d.claims + 1," \
 	"        next_attempt_at = deadline.at," \
 	"        visible_until = deadline.at," \
 	"        first_attempt_at = coalesce(d.first_attempt_at, $1)," \
 	"        last_attempt_at = $1" \
 	"   FROM picked, deadline" \
 	"  WHERE d.ctid = picked.tid" \
-	" RETURNING d.event_id, d.destination_id, d.attempts, d.seq, picked.interrupted, d.key)" \
+	" RETURNING d.event_id, d.destination_id, d.attempts, d.seq, picked.interrupted, d.key," \
+	"           d.claims)" \
 	" SELECT c.event_id, c.destination_id, c.attempts, c.seq, c.interrupted," \
 	"        x.topic, x.published_at, x.body, x.envelope, x.headers, c.key," \
-	"        (SELECT at FROM deadline) AS claimed_until" \
+	"        (SELECT at FROM deadline) AS claimed_until, c.claims" \
 	"   FROM claimed c JOIN idempotency.destinations t ON t.id = c.destination_id," \
 	"   LATERAL (" \
 	"    SELECT o.topic, o.published_at," \
@@ -414,6 +445,7 @@ relay_read_claimed(MemoryContext cxt, RelayItem **items, int n)
 		it->event_headers = isnull ? NULL : DatumGetJsonbPCopy(d);
 		it->key = spi_text(tup, 11);
 		it->claimed_until = DatumGetTimestampTz(spi_value(tup, 12, 0));
+		it->claim = DatumGetInt64(spi_value(tup, 13, 0));
 		it->outcome = RELAY_PENDING;
 		MemoryContextSwitchTo(old);
 		items[n++] = it;
@@ -697,10 +729,10 @@ relay_array(Datum *values, bool *nulls, int n, Oid typid)
 static void
 relay_relock(RelayItem **items, int n, bool *any)
 {
-	Oid			argtypes[3] = {UUIDARRAYOID, INT4ARRAYOID, INT4ARRAYOID};
+	Oid			argtypes[3] = {UUIDARRAYOID, INT4ARRAYOID, INT8ARRAYOID};
 	Datum	   *ids = palloc(sizeof(Datum) * n);
 	Datum	   *dests = palloc(sizeof(Datum) * n);
-	Datum	   *attempts = palloc(sizeof(Datum) * n);
+	Datum	   *claims = palloc(sizeof(Datum) * n);
 	RelayItem **mine = palloc(sizeof(RelayItem *) * n);
 	int			m = 0;
 	Datum		values[3];
@@ -715,7 +747,7 @@ relay_relock(RelayItem **items, int n, bool *any)
 			continue;
 		ids[m] = UUIDPGetDatum(&items[i]->event_id);
 		dests[m] = Int32GetDatum(items[i]->dest->id);
-		attempts[m] = Int32GetDatum(items[i]->attempts);
+		claims[m] = Int64GetDatum(items[i]->claim);
 		mine[m++] = items[i];
 	}
 	if (m == 0)
@@ -724,16 +756,16 @@ relay_relock(RelayItem **items, int n, bool *any)
 
 	plan = relay_prepare(&lock_plan,
 						 "SELECT r.n"
-						 "  FROM unnest($1::uuid[], $2::int4[], $3::int4[]) WITH ORDINALITY"
-						 "       AS r(event_id, destination_id, attempts, n),"
-						 "  LATERAL (SELECT d.state, d.attempts FROM idempotency.deliveries d"
+						 "  FROM unnest($1::uuid[], $2::int4[], $3::int8[]) WITH ORDINALITY"
+						 "       AS r(event_id, destination_id, claims, n),"
+						 "  LATERAL (SELECT d.state, d.claims FROM idempotency.deliveries d"
 						 "            WHERE d.event_id = r.event_id AND d.destination_id = r.destination_id"
 						 "            LIMIT 1 FOR UPDATE) x"
-						 " WHERE x.state = 'pending' AND x.attempts = r.attempts",
+						 " WHERE x.state = 'pending' AND x.claims = r.claims",
 						 3, argtypes);
 	values[0] = relay_array(ids, NULL, m, UUIDOID);
 	values[1] = relay_array(dests, NULL, m, INT4OID);
-	values[2] = relay_array(attempts, NULL, m, INT4OID);
+	values[2] = relay_array(claims, NULL, m, INT8OID);
 	save_nestlevel = relay_plan_settings();
 	rc = SPI_execute_plan(plan, values, NULL, false, 0);
 	AtEOXact_GUC(true, save_nestlevel);
@@ -771,11 +803,11 @@ void
 relay_renew_claims(RelayItem **items, int n, RelayLease *lease)
 {
 	MemoryContext cxt = CurrentMemoryContext;
-	Oid			argtypes[4] = {UUIDARRAYOID, INT4ARRAYOID, INT4ARRAYOID, TIMESTAMPTZOID};
+	Oid			argtypes[4] = {UUIDARRAYOID, INT4ARRAYOID, INT8ARRAYOID, TIMESTAMPTZOID};
 	Datum		values[4];
 	Datum	   *ids;
 	Datum	   *dests;
-	Datum	   *attempts;
+	Datum	   *claims;
 	RelayItem **mine;
 	bool	   *renewed;
 	int			m = 0;
@@ -796,7 +828,7 @@ relay_renew_claims(RelayItem **items, int n, RelayLease *lease)
 	/* Allocated in the step's memory, gone at its end. */
 	ids = palloc(sizeof(Datum) * n);
 	dests = palloc(sizeof(Datum) * n);
-	attempts = palloc(sizeof(Datum) * n);
+	claims = palloc(sizeof(Datum) * n);
 	mine = palloc(sizeof(RelayItem *) * n);
 	renewed = palloc0(sizeof(bool) * n);
 	for (int i = 0; i < n; i++)
@@ -805,17 +837,17 @@ relay_renew_claims(RelayItem **items, int n, RelayLease *lease)
 			continue;
 		ids[m] = UUIDPGetDatum(&items[i]->event_id);
 		dests[m] = Int32GetDatum(items[i]->dest_id);
-		attempts[m] = Int32GetDatum(items[i]->attempts);
+		claims[m] = Int64GetDatum(items[i]->claim);
 		mine[m++] = items[i];
 	}
 	if (m > 0)
 	{
 		plan = relay_prepare(&renew_plan,
 							 "WITH r AS ("
-							 " SELECT * FROM unnest($1::uuid[], $2::int4[], $3::int4[]) WITH ORDINALITY"
-							 "   AS r(event_id, destination_id, attempts, n)),"
+							 " SELECT * FROM unnest($1::uuid[], $2::int4[], $3::int8[]) WITH ORDINALITY"
+							 "   AS r(event_id, destination_id, claims, n)),"
 							 " found AS MATERIALIZED ("
-							 " SELECT r.n, r.attempts, x.tid FROM r,"
+							 " SELECT r.n, r.claims, x.tid FROM r,"
 							 "   LATERAL (SELECT d.ctid AS tid FROM idempotency.deliveries d"
 							 "             WHERE d.event_id = r.event_id"
 							 "               AND d.destination_id = r.destination_id"
@@ -823,12 +855,12 @@ relay_renew_claims(RelayItem **items, int n, RelayLease *lease)
 							 " UPDATE idempotency.deliveries d"
 							 "    SET next_attempt_at = $4, visible_until = $4"
 							 "   FROM found f"
-							 "  WHERE d.ctid = f.tid AND d.state = 'pending' AND d.attempts = f.attempts"
+							 "  WHERE d.ctid = f.tid AND d.state = 'pending' AND d.claims = f.claims"
 							 " RETURNING f.n",
 							 4, argtypes);
 		values[0] = relay_array(ids, NULL, m, UUIDOID);
 		values[1] = relay_array(dests, NULL, m, INT4OID);
-		values[2] = relay_array(attempts, NULL, m, INT4OID);
+		values[2] = relay_array(claims, NULL, m, INT8OID);
 		values[3] = TimestampTzGetDatum(GetCurrentTimestamp() + lease->window_us);
 		save_nestlevel = relay_plan_settings();
 		rc = SPI_execute_plan(plan, values, NULL, false, 0);
@@ -1063,7 +1095,7 @@ relay_call_function(RelayItem *it, MemoryContext cxt)
 static int
 relay_record(RelayItem **items, int n, RelayItem **missed)
 {
-	Oid			argtypes[10] = {UUIDARRAYOID, INT4ARRAYOID, INT4ARRAYOID, TEXTARRAYOID,
+	Oid			argtypes[10] = {UUIDARRAYOID, INT4ARRAYOID, INT8ARRAYOID, TEXTARRAYOID,
 		TIMESTAMPTZARRAYOID, INT4ARRAYOID, TEXTARRAYOID, INT8ARRAYOID, BOOLARRAYOID,
 	BOOLARRAYOID};
 	Datum	   *cols[10];
@@ -1116,7 +1148,7 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 		}
 		cols[0][m] = UUIDPGetDatum(&it->event_id);
 		cols[1][m] = Int32GetDatum(d->id);
-		cols[2][m] = Int32GetDatum(it->attempts);
+		cols[2][m] = Int64GetDatum(it->claim);
 		cols[3][m] = CStringGetTextDatum(state);
 		cols[4][m] = TimestampTzGetDatum(next_at);
 		cols[5][m] = Int32GetDatum(it->status);
@@ -1134,10 +1166,10 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 
 	plan = relay_prepare(&record_plan,
 						 "WITH r AS ("
-						 " SELECT * FROM unnest($1::uuid[], $2::int4[], $3::int4[], $4::text[],"
+						 " SELECT * FROM unnest($1::uuid[], $2::int4[], $3::int8[], $4::text[],"
 						 "                      $5::timestamptz[], $6::int4[], $7::text[], $8::int8[],"
 						 "                      $9::bool[], $10::bool[]) WITH ORDINALITY"
-						 "   AS r(event_id, destination_id, attempts, state, at, status, error,"
+						 "   AS r(event_id, destination_id, claims, state, at, status, error,"
 						 "        latency_us, interrupted, given_back, n)),"
 						 " found AS MATERIALIZED ("
 						 " SELECT r.*, r.given_back AND r.state = 'pending' AS released,"
@@ -1161,7 +1193,7 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 						 "        last_error = CASE WHEN r.released THEN d.last_error ELSE r.error END"
 						 "   FROM found r"
 						 "  WHERE d.ctid = r.tid AND d.state = r.pending"
-						 "    AND (r.state = 'delivered' OR d.attempts = r.attempts)"
+						 "    AND (r.state = 'delivered' OR d.claims = r.claims)"
 						 " RETURNING r.*),"
 						 " s AS ("
 						 " INSERT INTO idempotency.destination_stats"
@@ -1181,7 +1213,7 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 
 	values[0] = relay_array(cols[0], NULL, m, UUIDOID);
 	values[1] = relay_array(cols[1], NULL, m, INT4OID);
-	values[2] = relay_array(cols[2], NULL, m, INT4OID);
+	values[2] = relay_array(cols[2], NULL, m, INT8OID);
 	values[3] = relay_array(cols[3], NULL, m, TEXTOID);
 	values[4] = relay_array(cols[4], NULL, m, TIMESTAMPTZOID);
 	values[5] = relay_array(cols[5], status_nulls, m, INT4OID);
@@ -1292,6 +1324,11 @@ relay_pass(int max_events)
 		/* Step 1: claim. */
 		if (!relay_step_begin(&step, "idempotency relay: claim", true))
 			goto done;
+		if (!relay_schema_current(step.own_xact))
+		{
+			relay_step_end(&step);
+			goto done;
+		}
 		n = relay_claim(max_events, claimed_at, passcxt, &items);
 		dests = relay_load_dests(passcxt);
 		relay_step_end(&step);

@@ -60,7 +60,10 @@ typedef struct RelayItem
 	pg_uuid_t	event_id;
 	int32		dest_id;
 	RelayDest  *dest;			/* NULL if the destination was dropped */
-	int32		attempts;		/* this attempt's number: our claim's fencing token */
+	int32		attempts;		/* this attempt's number */
+	int64		claim;			/* the delivery's claims counter as we claimed it: our
+								 * claim's fencing token (attempts goes back on a
+								 * redrive, this never does) */
 	int64		seq;
 	bool		interrupted;	/* the previous attempt's outcome was never recorded */
 	char	   *topic;

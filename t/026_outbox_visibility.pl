@@ -3,9 +3,9 @@
 #
 # A claim hides a delivery until a visibility deadline sized for the pass's
 # waves of HTTP requests.  The events of one key go out one after the other,
-# though: a chain of ten webhooks to an endpoint answering in 0.3 s takes
-# 3 s, three times the deadline of a batch of 10 with 10 requests in flight,
-# a 1 s timeout and no margin.  Unless the relay keeps its claims hidden as
+# though: a chain of ten webhooks to an endpoint answering in 0.4 s takes
+# 4 s, twice the deadline of a batch of 10 with 10 requests in flight, a 2 s
+# timeout and no margin.  Unless the relay keeps its claims hidden as
 # the pass goes on, a second relay claims the chain again once the deadline
 # has passed and sends it a second time, out of order.
 #
@@ -50,11 +50,11 @@ my $sink = WebhookSink->new(
 	port => PostgreSQL::Test::Cluster::get_free_port(),
 	dir => PostgreSQL::Test::Utils::tempdir(),
 	secrets => [$SECRET])->start;
-$sink->set_mode('sleep 0.3 204');
+$sink->set_mode('sleep 0.4 204');
 
 $node->safe_psql('postgres', sprintf(q{
 	SELECT idem_destination_create('hook', 'http', '%s', '{order.*}',
-		jsonb_build_object('secret', '%s', 'timeout', '1s'));},
+		jsonb_build_object('secret', '%s', 'timeout', '2s'));},
 	$sink->url, $SECRET));
 
 # Ten events of one key, in publish order.
@@ -85,7 +85,7 @@ while (time() < $deadline)
 	sleep 0.05;
 }
 $relay_a->quit;
-cmp_ok($b_passes, '>=', 5, "relay B made $b_passes passes while relay A's pass lasted");
+cmp_ok($b_passes, '>=', 2, "relay B made $b_passes passes while relay A's pass lasted");
 is($b_attempted, 0, 'relay B found nothing to attempt: every claim of A stayed hidden');
 
 is( $node->safe_psql('postgres', q{
@@ -101,7 +101,7 @@ is($node->safe_psql('postgres', q{SELECT redelivered FROM idem_outbox_stats WHER
 	'0', 'nothing counted as redelivered');
 
 # ---- A pass with a webhook and a slow function call: while the function
-# runs (3 s, three times the deadline), nothing renews the webhook's claim,
+# runs (4 s, twice the deadline), nothing renews the webhook's claim,
 # so its outcome must already be recorded by then.  The function's own
 # delivery stays locked by relay A while it runs.
 $sink->clear_log;
@@ -109,7 +109,7 @@ $sink->set_mode('204');
 $node->safe_psql('postgres', q{
 	CREATE TABLE fsink (event_id uuid, relay int);
 	CREATE FUNCTION slow(event jsonb) RETURNS void LANGUAGE sql AS $$
-		SELECT pg_sleep(3);
+		SELECT pg_sleep(4);
 		INSERT INTO fsink VALUES ((event->>'id')::uuid, pg_backend_pid())
 	$$;
 	SELECT idem_destination_create('slow', 'function', 'slow(jsonb)', '{order.*}');});

@@ -19,7 +19,7 @@ REGRESS = canonical claim errors commit_guard expiry execute privileges ownershi
 # Background worker, inbox and statistics
 REGRESS += inbox stats
 # Transactional outbox and relay
-REGRESS += outbox outbox_errors outbox_privileges outbox_plans
+REGRESS += outbox outbox_errors outbox_privileges outbox_plans outbox_ssrf outbox_notify
 # Extension scripts that cannot be hijacked: databases and a role of its own.
 REGRESS += script_security
 # Last: it re-creates the extension in a database of its own.

@@ -100,6 +100,16 @@ ALTER TABLE idempotency.inbox ADD COLUMN owner pg_catalog.regrole;
 -- Outbox and relay.
 -- ---------------------------------------------------------------------------
 
+/*
+ * How many times a delivery was claimed, ever: a claim's fencing token.  A
+ * relay records its outcome, renews its claim or re-locks the delivery only
+ * while the counter is still the one its claim set.  attempts could not
+ * serve: a redrive resets it and a claim given back unattempted takes its
+ * attempt back, so a relay whose claim was lost long ago could find its
+ * number current again and record a stale outcome over a newer claim.
+ */
+ALTER TABLE idempotency.deliveries ADD COLUMN claims int8 NOT NULL DEFAULT 0;
+
 -- (end of outbox section)
 
 -- ---------------------------------------------------------------------------

@@ -142,6 +142,7 @@ log_min_messages = warning
 idempotency.databases = 'postgres'
 idempotency.cleanup_interval = '1h'   # the worker relays; cleanup runs at its start only
 idempotency.relay_max_in_flight = $IN_FLIGHT
+idempotency.relay_allowed_networks = '127.0.0.1'   # nginx listens on loopback
 EOF
 as_pg "$BIN/pg_ctl" -D "$DATA" -l "$WORK/server.log" -w start >/dev/null \
 	|| { cat "$WORK/server.log"; exit 1; }

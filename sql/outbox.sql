@@ -165,6 +165,23 @@ SELECT topic, event_id = :'e2' AS e2 FROM sink;
 SELECT state, attempts, visible_until FROM idempotency.deliveries WHERE event_id = :'e2';
 SELECT destination, delivered, redelivered FROM idem_outbox_stats WHERE destination = 'all';
 
+-- A delivery whose last allowed attempt was interrupted too (its relay died,
+-- or its transaction could not commit) is a poison event: the next claim
+-- dead-letters it without another attempt, and gives that claim back.
+SELECT idem_publish('user.deleted', '{"user": 8}') AS e3 \gset
+UPDATE idempotency.deliveries
+   SET attempts = 10, next_attempt_at = now() - '1 second'::interval,
+	   visible_until = now() - '1 second'::interval
+ WHERE event_id = :'e3';
+TRUNCATE sink;
+SELECT idem_outbox_relay() AS attempted;
+SELECT count(*) AS calls FROM sink;
+SELECT state, attempts, last_error, visible_until FROM idempotency.deliveries WHERE event_id = :'e3';
+SELECT destination, delivered, redelivered, dead_lettered, dead FROM idem_outbox_stats WHERE destination = 'all';
+SELECT idem_outbox_redrive(:'e3') AS redriven;
+SELECT idem_outbox_relay() AS attempted;
+SELECT count(*) AS calls FROM sink;
+
 -- Dead letters with max_attempts = 1, redriven in bulk.
 CREATE FUNCTION always_fails(event jsonb) RETURNS void LANGUAGE plpgsql AS $$
 BEGIN RAISE EXCEPTION 'no thanks'; END $$;
@@ -176,9 +193,11 @@ SELECT idem_outbox_relay() AS attempted;
 SELECT topic, attempts, last_error FROM idem_outbox_dead WHERE destination = 'refuser' ORDER BY 1;
 SELECT idem_outbox_redrive_dead('refuser', now() + '1 hour') AS redriven_since_future;
 SELECT idem_outbox_redrive_dead('refuser') AS redriven;
-SELECT state, attempts, count(*) FROM idempotency.deliveries x
+-- A redrive gives back the attempts, not the claims counter: the fencing
+-- token of the claims to come never repeats one of the past.
+SELECT state, attempts, claims, count(*) FROM idempotency.deliveries x
   JOIN idempotency.destinations d ON d.id = x.destination_id
- WHERE d.name = 'refuser' GROUP BY 1, 2;
+ WHERE d.name = 'refuser' GROUP BY 1, 2, 3;
 
 -- Pause: events accumulate; resume: they go out.
 SELECT idem_destination_pause('all');

@@ -121,6 +121,13 @@ SELECT idem_destination_create('d', 'notify', 'c', '{*}', '{"backoff_base": "2s"
 \echo :SQLSTATE
 SELECT idem_destination_create('d', 'notify', 'c', '{*}', '{"backoff_cap": "31 days"}');
 \echo :SQLSTATE
+-- function: a time limit per call, from 1 ms to an hour.
+SELECT idem_destination_create('d', 'function', 'sink_fn(jsonb)', '{*}', '{"timeout": 0}');
+\echo :SQLSTATE
+SELECT idem_destination_create('d', 'function', 'sink_fn(jsonb)', '{*}', '{"timeout": "2h"}');
+\echo :SQLSTATE
+SELECT idem_destination_create('d', 'function', 'sink_fn(jsonb)', '{*}', '{"secret": "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"}');
+\echo :SQLSTATE
 -- http: a signing secret is required, in the Standard Webhooks form.
 SELECT idem_destination_create('d', 'http', 'http://example.com/hook');
 \echo :SQLSTATE

@@ -76,7 +76,7 @@ SELECT idem_destination_create('escalate', 'function', 'ops_escalate(jsonb)', '{
 	'{"max_attempts": 1}');
 SELECT idem_destination_create('borrowed', 'function', 'owner_only(jsonb)');
 \echo :SQLSTATE
-SELECT idem_destination_create('hook', 'http', 'http://127.0.0.1:9/hook', '{none}',
+SELECT idem_destination_create('hook', 'http', 'https://hooks.example.com/hook', '{none}',
 	'{"secret": "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", "headers": {"Authorization": "Bearer s3cr3t"}}');
 -- The operator sees the destinations, not their secrets or header values.
 SELECT name, kind, target, options, header_names, secret_count FROM idem_destinations ORDER BY name;

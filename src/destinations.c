@@ -94,9 +94,16 @@ dest_kind_name(DestKind kind)
 static const char *
 dest_allowed_options(DestKind kind)
 {
-	return kind == DEST_HTTP ?
-		"max_attempts, backoff_base, backoff_cap, timeout, secret, secrets, headers" :
-		"max_attempts, backoff_base, backoff_cap";
+	switch (kind)
+	{
+		case DEST_HTTP:
+			return "max_attempts, backoff_base, backoff_cap, timeout, secret, secrets, headers";
+		case DEST_FUNCTION:
+			return "max_attempts, backoff_base, backoff_cap, timeout";
+		case DEST_NOTIFY:
+			return "max_attempts, backoff_base, backoff_cap, reference";
+	}
+	return "max_attempts, backoff_base, backoff_cap";
 }
 
 /* A required argument. */
@@ -262,7 +269,15 @@ dest_parse_options(DestKind kind, Jsonb *options, DestOptions *o)
 			o->backoff_base_ms = dest_duration_ms(&v, key, 1, 86400 * 1000L);
 		else if (strcmp(key, "backoff_cap") == 0)
 			o->backoff_cap_ms = dest_duration_ms(&v, key, 1, 30 * 86400 * 1000L);
-		else if (kind == DEST_HTTP && strcmp(key, "timeout") == 0)
+		else if (kind == DEST_NOTIFY && strcmp(key, "reference") == 0)
+		{
+			/* The relay reads it from the options column. */
+			if (v.type != jbvBool)
+				ereport(ERROR,
+						(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+						 errmsg("option \"reference\" must be true or false")));
+		}
+		else if ((kind == DEST_HTTP || kind == DEST_FUNCTION) && strcmp(key, "timeout") == 0)
 			o->timeout_ms = dest_duration_ms(&v, key, 1, 3600 * 1000L);
 		else if (kind == DEST_HTTP && strcmp(key, "secret") == 0)
 		{
@@ -450,6 +465,13 @@ dest_check_target(DestKind kind, const char *target, Oid *func)
 							(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 							 errmsg("invalid 'http' target URL"),
 							 errdetail("%s", why)));
+				why = http_check_url_host(target);
+				if (why != NULL)
+					ereport(ERROR,
+							(errcode(ERRCODE_INSUFFICIENT_PRIVILEGE),
+							 errmsg("'http' target URL leads to a non-public address"),
+							 errdetail("%s", why),
+							 errhint("The relay connects only to public addresses; a superuser can allow others in idempotency.relay_allowed_networks.")));
 				return pstrdup(target);
 			}
 	}

@@ -19,7 +19,8 @@
  * publisher takes a transaction-level lock on a hash of the key before it
  * draws the event's seq, so same-key events commit in seq order, and the
  * relay attempts a delivery only when no earlier one of its key is
- * undelivered.
+ * undelivered.  It waits for that lock at most idempotency.wait_timeout:
+ * any role may publish, and may keep its transaction open.
  *
  *-------------------------------------------------------------------------
  */
@@ -42,6 +43,7 @@
 #include "nodes/makefuncs.h"
 #include "storage/lmgr.h"
 #include "storage/lock.h"
+#include "storage/proc.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
 #include "utils/guc.h"
@@ -50,6 +52,7 @@
 #include "utils/snapmgr.h"
 #include "utils/syscache.h"
 
+#include "claims.h"
 #include "lockhash.h"
 #include "outbox.h"
 #include "records.h"
@@ -63,6 +66,7 @@ int			relay_max_in_flight = 64;
 int			outbox_max_event_bytes = 1024 * 1024;
 int			relay_visibility_margin = 30000;
 int			relay_workers = 1;
+char	   *relay_allowed_networks = NULL;
 
 /* Set by idem_publish (and the operator functions): wake the relay at commit. */
 static bool wake_at_commit = false;
@@ -136,6 +140,13 @@ OutboxInit(void)
 							1, 1, RELAY_MAX_WORKERS,
 							PGC_SIGHUP, 0,
 							NULL, NULL, NULL);
+	DefineCustomStringVariable("idempotency.relay_allowed_networks",
+							   "Non-public addresses that http destinations may reach.",
+							   "IP addresses and CIDR networks, comma-separated.  The relay refuses to connect to loopback, private, link-local and other special-purpose addresses unless listed here; names are checked by the address they resolve to.",
+							   &relay_allowed_networks,
+							   "",
+							   PGC_SUSET, GUC_LIST_INPUT,
+							   http_check_allowed_networks, http_assign_allowed_networks, NULL);
 	DefineCustomIntVariable("idempotency.max_event_bytes",
 							"Largest event idem_publish accepts, payload and headers together.",
 							NULL,
@@ -432,6 +443,52 @@ outbox_key_lock(text *key)
 }
 
 /*
+ * Take the publishing lock of an event key as outbox_key_lock does, waiting
+ * at most idempotency.wait_timeout (or the caller's lock_timeout, if
+ * shorter) for a transaction that holds it, then failing with 55P03.  Any
+ * role may publish: without a bound, one that kept a transaction open
+ * after publishing with a key would hold every other publisher of that key
+ * for as long as it liked.  A wait_timeout of 0 waits a millisecond.
+ */
+static void
+outbox_key_lock_bounded(text *key)
+{
+	MemoryContext oldcxt = CurrentMemoryContext;
+	int			saved_lock_timeout = LockTimeout;
+	int			bound = Max(idem_wait_timeout, 1);
+	bool		bounded_by_us = (LockTimeout == 0 || LockTimeout > bound);
+
+	if (bounded_by_us)
+		LockTimeout = bound;
+	PG_TRY();
+	{
+		outbox_key_lock(key);
+	}
+	PG_CATCH();
+	{
+		ErrorData  *edata;
+
+		LockTimeout = saved_lock_timeout;
+		MemoryContextSwitchTo(oldcxt);
+		edata = CopyErrorData();
+		if (!bounded_by_us || edata->sqlerrcode != ERRCODE_LOCK_NOT_AVAILABLE)
+		{
+			FreeErrorData(edata);
+			PG_RE_THROW();
+		}
+		FlushErrorState();
+		ereport(ERROR,
+				(errcode(ERRCODE_LOCK_NOT_AVAILABLE),
+				 errmsg("could not lock event key \"%s\" for publishing", text_to_cstring(key)),
+				 errdetail("Another transaction has held it for longer than idempotency.wait_timeout (%d ms).",
+						   idem_wait_timeout),
+				 errhint("Retry once that transaction has ended.  Publishers of a key wait for one another, so transactions that publish should commit promptly; idle_in_transaction_session_timeout ends those that do not.")));
+	}
+	PG_END_TRY();
+	LockTimeout = saved_lock_timeout;
+}
+
+/*
  * Insert one pending delivery per destination whose topics match, in this
  * transaction.  The destinations are read with the latest snapshot, not the
  * statement's: a destination created a moment ago gets the event.  A
@@ -467,6 +524,9 @@ outbox_fan_out(pg_uuid_t *event_id, int64 seq, text *topic, text *key,
 	nulls[Anum_deliveries_attempts - 1] = false;
 	values[Anum_deliveries_next_attempt_at - 1] = TimestampTzGetDatum(now);
 	nulls[Anum_deliveries_next_attempt_at - 1] = false;
+	/* Not in a table of version 1.1, whose 13 columns are all writer_insert copies. */
+	values[Anum_deliveries_claims - 1] = Int64GetDatum(0);
+	nulls[Anum_deliveries_claims - 1] = false;
 	nulls[Anum_deliveries_destination_id - 1] = false;
 
 	dests = table_open(PUBLISH_DESTINATIONS, AccessShareLock);
@@ -551,7 +611,7 @@ idem_publish(PG_FUNCTION_ARGS)
 
 	/* The key's lock first, then the seq: same-key events commit in seq order. */
 	if (key != NULL)
-		outbox_key_lock(key);
+		outbox_key_lock_bounded(key);
 	seq = nextval_internal(PUBLISH_SEQ, false);
 	now = GetCurrentTimestamp();
 	event_id = palloc(sizeof(pg_uuid_t));

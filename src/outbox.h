@@ -10,6 +10,7 @@
 
 #include "postgres.h"
 
+#include "utils/guc.h"
 #include "utils/jsonb.h"
 #include "utils/timestamp.h"
 #include "utils/uuid.h"
@@ -38,7 +39,8 @@
 #define Anum_deliveries_delivered_at		11
 #define Anum_deliveries_last_status			12
 #define Anum_deliveries_last_error			13
-#define Natts_deliveries					13
+#define Anum_deliveries_claims				14	/* version 1.2 */
+#define Natts_deliveries					14
 
 /* The columns of idempotency.destinations that idem_publish reads. */
 #define Anum_destinations_id		1
@@ -65,7 +67,7 @@ typedef enum DestKind
 #define DEST_DEFAULT_MAX_ATTEMPTS	10
 #define DEST_DEFAULT_BACKOFF_BASE	1000		/* ms */
 #define DEST_DEFAULT_BACKOFF_CAP	3600000		/* ms: one hour */
-#define DEST_DEFAULT_TIMEOUT		10000		/* ms */
+#define DEST_DEFAULT_TIMEOUT		10000		/* ms: a function call, an HTTP request */
 
 /* GUCs */
 extern int	outbox_retention;
@@ -74,6 +76,7 @@ extern int	relay_max_in_flight;
 extern int	outbox_max_event_bytes;
 extern int	relay_visibility_margin;
 extern int	relay_workers;
+extern char *relay_allowed_networks;
 
 /* Most relay processes per database (idempotency.relay_workers). */
 #define RELAY_MAX_WORKERS	16
@@ -96,6 +99,10 @@ extern void outbox_wake_at_commit(void);
 extern bool outbox_topic_matches(Datum topics, text *topic);
 extern void outbox_check_headers(Jsonb *headers, const char *what);
 extern void outbox_check_name(text *value, const char *what);
+
+/* relay_http.c: the hooks of idempotency.relay_allowed_networks */
+extern bool http_check_allowed_networks(char **newval, void **extra, GucSource source);
+extern void http_assign_allowed_networks(const char *newval, void *extra);
 
 /* destinations.c */
 extern DestKind dest_kind_from_name(const char *kind);

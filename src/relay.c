@@ -14,17 +14,24 @@
  *	   rest are given back unattempted).  Each claimed delivery's attempt
  *	   count goes up by one and its next_attempt_at becomes a visibility
  *	   deadline: if this relay dies, the delivery is claimed again after it.
- *	   The deadline covers the whole pass, the same for every delivery of the
- *	   batch: as many waves of relay_max_in_flight requests as the batch may
- *	   need, each as long as the largest HTTP timeout, plus
- *	   idempotency.relay_visibility_margin.  visible_until records that the
- *	   outcome is outstanding, so a later claim knows the attempt was
+ *	   The deadline is the same for every delivery of the batch: as many
+ *	   waves of relay_max_in_flight requests as the batch may need, each as
+ *	   long as the largest HTTP timeout, plus
+ *	   idempotency.relay_visibility_margin.  A chain's webhooks go one after
+ *	   the other, though, so a pass may run longer: then it renews its
+ *	   claims, a window further each time, before half the window has gone
+ *	   (relay_renew_claims, from the HTTP step).  visible_until records that
+ *	   the outcome is outstanding, so a later claim knows the attempt was
  *	   interrupted and counts the repeat as a possible duplicate.
  *
  *	2. HTTP deliveries, outside any transaction when the pass manages its own
  *	   (relay_http.c: many requests in flight on kept-alive connections).
  *
- *	3. Record.  In a second, short transaction: NOTIFY and function
+ *	3. Record.  When the batch holds both webhooks and in-database
+ *	   deliveries, the webhooks' outcomes are recorded first, in a short
+ *	   transaction of their own (3a): function calls may take a while, and
+ *	   nothing renews the claims meanwhile.  Then (3b), in another
+ *	   transaction: NOTIFY and function
  *	   deliveries are made here, so that the effect and the mark "delivered"
  *	   commit together -- exactly once into the database.  The relay first
  *	   re-locks those deliveries and checks that its claim (the attempt
@@ -59,6 +66,8 @@
 #include "catalog/pg_proc.h"
 #include "catalog/pg_type.h"
 #include "commands/async.h"
+#include "commands/dbcommands.h"
+#include "commands/trigger.h"
 #include "common/pg_prng.h"
 #include "executor/spi.h"
 #include "miscadmin.h"
@@ -73,8 +82,10 @@
 #include "utils/memutils.h"
 #include "utils/snapmgr.h"
 #include "utils/syscache.h"
+#include "utils/timeout.h"
 #include "utils/uuid.h"
 
+#include "claims.h"
 #include "outbox.h"
 #include "relay.h"
 #include "relay_http.h"
@@ -90,6 +101,7 @@ static SPIPlanPtr claim_all_plan = NULL;
 static SPIPlanPtr followers_plan = NULL;
 static SPIPlanPtr dests_plan = NULL;
 static SPIPlanPtr lock_plan = NULL;
+static SPIPlanPtr renew_plan = NULL;
 static SPIPlanPtr record_plan = NULL;
 static SPIPlanPtr disable_plan = NULL;
 static SPIPlanPtr next_due_plan = NULL;
@@ -97,6 +109,24 @@ static SPIPlanPtr cleanup_deliveries_plan = NULL;
 static SPIPlanPtr cleanup_orphans_plan = NULL;
 static SPIPlanPtr cleanup_events_plan = NULL;
 static SPIPlanPtr fold_stats_plan = NULL;
+
+/* Whether a relay pass runs in this backend (a destination may not start another). */
+static bool relay_pass_running = false;
+
+/*
+ * Telling a destination function's own errors from a cancel of the relay.
+ * A function may raise query_canceled itself, and its timeout cancels it
+ * the way statement_timeout does; neither must cancel the pass.  While
+ * destination functions run, SIGINT (pg_cancel_backend, or the caller's
+ * statement_timeout) goes through relay_sigint_handler, which notes that
+ * the cancel is real; the function timeout's handler notes that it fired.
+ */
+static volatile sig_atomic_t relay_cancel_requested = false;
+static volatile sig_atomic_t relay_timeout_fired = false;
+static pqsigfunc relay_saved_sigint = NULL;
+static bool relay_sigint_installed = false;
+static bool relay_timeout_registered = false;
+static TimeoutId relay_timeout_id;
 
 /* A transaction step of a pass, in its own transaction or in the caller's. */
 typedef struct RelayStep
@@ -190,6 +220,34 @@ relay_step_begin(RelayStep *step, const char *activity, bool skippable)
 	return true;
 }
 
+/*
+ * Whether the deliveries have the columns this library's relay uses (the
+ * extension at version 1.2).  Once the library is upgraded, a database
+ * still at 1.1 waits for ALTER EXTENSION idempotency UPDATE: the worker's
+ * passes do nothing meanwhile (said once), a caller of idem_outbox_relay()
+ * is told to update.
+ */
+static bool
+relay_schema_current(bool own_xact)
+{
+	static bool waiting_logged = false;
+
+	if (get_attnum(outbox_relid("deliveries"), "claims") != InvalidAttrNumber)
+		return true;
+	if (!own_xact)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("the outbox relay needs extension \"idempotency\" at version 1.2"),
+				 errhint("Run ALTER EXTENSION idempotency UPDATE.")));
+	if (!waiting_logged)
+		ereport(LOG,
+				(errmsg("the outbox relay of database \"%s\" waits for extension \"idempotency\" version 1.2",
+						get_database_name(MyDatabaseId)),
+				 errhint("Run ALTER EXTENSION idempotency UPDATE.")));
+	waiting_logged = true;
+	return false;
+}
+
 /* End a step: disconnect from SPI and, if the pass manages its own, commit. */
 static void
 relay_step_end(RelayStep *step)
@@ -234,7 +292,8 @@ relay_load_dests(MemoryContext cxt)
 
 	plan = relay_prepare(&dests_plan,
 						 "SELECT id, name, kind, target, func, run_as, search_path, secrets,"
-						 "       headers, max_attempts, backoff_base_ms, backoff_cap_ms, timeout_ms"
+						 "       headers, max_attempts, backoff_base_ms, backoff_cap_ms, timeout_ms,"
+						 "       options @> '{\"reference\": true}'"
 						 "  FROM idempotency.destinations",
 						 0, NULL);
 	if (SPI_execute_plan(plan, NULL, NULL, false, 0) != SPI_OK_SELECT)
@@ -276,6 +335,7 @@ relay_load_dests(MemoryContext cxt)
 		d->backoff_base_ms = DatumGetInt64(spi_value(tup, 11, Int64GetDatum(DEST_DEFAULT_BACKOFF_BASE)));
 		d->backoff_cap_ms = DatumGetInt64(spi_value(tup, 12, Int64GetDatum(DEST_DEFAULT_BACKOFF_CAP)));
 		d->timeout_ms = DatumGetInt64(spi_value(tup, 13, Int64GetDatum(DEST_DEFAULT_TIMEOUT)));
+		d->reference = DatumGetBool(spi_value(tup, 14, BoolGetDatum(false)));
 		dests = lappend(dests, d);
 		MemoryContextSwitchTo(old);
 	}
@@ -333,20 +393,24 @@ relay_item_cmp(const void *a, const void *b)
 	" claimed AS (" \
 	" UPDATE idempotency.deliveries d" \
 	"    SET attempts = d.attempts + 1," \
+	"        claims = d.claims + 1," \
 	"        next_attempt_at = deadline.at," \
 	"        visible_until = deadline.at," \
 	"        first_attempt_at = coalesce(d.first_attempt_at, $1)," \
 	"        last_attempt_at = $1" \
 	"   FROM picked, deadline" \
 	"  WHERE d.ctid = picked.tid" \
-	" RETURNING d.event_id, d.destination_id, d.attempts, d.seq, picked.interrupted, d.key)" \
+	" RETURNING d.event_id, d.destination_id, d.attempts, d.seq, picked.interrupted, d.key," \
+	"           d.claims)" \
 	" SELECT c.event_id, c.destination_id, c.attempts, c.seq, c.interrupted," \
-	"        x.topic, x.published_at, x.body, x.envelope, x.headers, c.key" \
+	"        x.topic, x.published_at, x.body, x.envelope, x.headers, c.key," \
+	"        (SELECT at FROM deadline) AS claimed_until, c.claims" \
 	"   FROM claimed c JOIN idempotency.destinations t ON t.id = c.destination_id," \
 	"   LATERAL (" \
 	"    SELECT o.topic, o.published_at," \
-	"      CASE t.kind WHEN 'http' THEN o.payload::text" \
-	"        WHEN 'notify' THEN jsonb_build_object('id', o.event_id, 'topic', o.topic," \
+	"      CASE WHEN t.kind = 'http' THEN o.payload::text" \
+	"        WHEN t.kind = 'notify' AND NOT t.options @> '{\"reference\": true}'" \
+	"        THEN jsonb_build_object('id', o.event_id, 'topic', o.topic," \
 	"          'key', o.key, 'payload', o.payload, 'headers', o.headers," \
 	"          'published_at', o.published_at)::text END AS body," \
 	"      CASE t.kind WHEN 'function' THEN jsonb_build_object('id', o.event_id," \
@@ -380,6 +444,8 @@ relay_read_claimed(MemoryContext cxt, RelayItem **items, int n)
 		d = SPI_getbinval(tup, SPI_tuptable->tupdesc, 10, &isnull);
 		it->event_headers = isnull ? NULL : DatumGetJsonbPCopy(d);
 		it->key = spi_text(tup, 11);
+		it->claimed_until = DatumGetTimestampTz(spi_value(tup, 12, 0));
+		it->claim = DatumGetInt64(spi_value(tup, 13, 0));
 		it->outcome = RELAY_PENDING;
 		MemoryContextSwitchTo(old);
 		items[n++] = it;
@@ -456,8 +522,8 @@ relay_claim_heads(int max_events, bool windowed, int pass_max, TimestampTz now,
 	values[0] = TimestampTzGetDatum(now);
 	values[1] = Int32GetDatum(max_events);
 	values[2] = Int32GetDatum(relay_visibility_margin);
-	/* HTTP requests go out in waves of relay_max_in_flight. */
-	values[3] = Int32GetDatum((pass_max + relay_max_in_flight - 1) / relay_max_in_flight);
+	/* HTTP requests go out in waves of http_max_in_flight(). */
+	values[3] = Int32GetDatum((pass_max + http_max_in_flight() - 1) / http_max_in_flight());
 	values[4] = Int32GetDatum(max_events * HEADS_WINDOW);
 	rc = SPI_execute_plan(plan, values, NULL, false, 0);
 	if (rc != SPI_OK_SELECT)
@@ -526,7 +592,7 @@ relay_claim_followers(int room, int pass_max, TimestampTz now, MemoryContext cxt
 	values[0] = TimestampTzGetDatum(now);
 	values[1] = Int32GetDatum(room);
 	values[2] = Int32GetDatum(relay_visibility_margin);
-	values[3] = Int32GetDatum((pass_max + relay_max_in_flight - 1) / relay_max_in_flight);
+	values[3] = Int32GetDatum((pass_max + http_max_in_flight() - 1) / http_max_in_flight());
 	values[4] = relay_array(dests, NULL, nheads, INT4OID);
 	values[5] = relay_array(keys, NULL, nheads, TEXTOID);
 	values[6] = relay_array(seqs, NULL, nheads, INT8OID);
@@ -663,10 +729,10 @@ relay_array(Datum *values, bool *nulls, int n, Oid typid)
 static void
 relay_relock(RelayItem **items, int n, bool *any)
 {
-	Oid			argtypes[3] = {UUIDARRAYOID, INT4ARRAYOID, INT4ARRAYOID};
+	Oid			argtypes[3] = {UUIDARRAYOID, INT4ARRAYOID, INT8ARRAYOID};
 	Datum	   *ids = palloc(sizeof(Datum) * n);
 	Datum	   *dests = palloc(sizeof(Datum) * n);
-	Datum	   *attempts = palloc(sizeof(Datum) * n);
+	Datum	   *claims = palloc(sizeof(Datum) * n);
 	RelayItem **mine = palloc(sizeof(RelayItem *) * n);
 	int			m = 0;
 	Datum		values[3];
@@ -681,7 +747,7 @@ relay_relock(RelayItem **items, int n, bool *any)
 			continue;
 		ids[m] = UUIDPGetDatum(&items[i]->event_id);
 		dests[m] = Int32GetDatum(items[i]->dest->id);
-		attempts[m] = Int32GetDatum(items[i]->attempts);
+		claims[m] = Int64GetDatum(items[i]->claim);
 		mine[m++] = items[i];
 	}
 	if (m == 0)
@@ -690,16 +756,16 @@ relay_relock(RelayItem **items, int n, bool *any)
 
 	plan = relay_prepare(&lock_plan,
 						 "SELECT r.n"
-						 "  FROM unnest($1::uuid[], $2::int4[], $3::int4[]) WITH ORDINALITY"
-						 "       AS r(event_id, destination_id, attempts, n),"
-						 "  LATERAL (SELECT d.state, d.attempts FROM idempotency.deliveries d"
+						 "  FROM unnest($1::uuid[], $2::int4[], $3::int8[]) WITH ORDINALITY"
+						 "       AS r(event_id, destination_id, claims, n),"
+						 "  LATERAL (SELECT d.state, d.claims FROM idempotency.deliveries d"
 						 "            WHERE d.event_id = r.event_id AND d.destination_id = r.destination_id"
 						 "            LIMIT 1 FOR UPDATE) x"
-						 " WHERE x.state = 'pending' AND x.attempts = r.attempts",
+						 " WHERE x.state = 'pending' AND x.claims = r.claims",
 						 3, argtypes);
 	values[0] = relay_array(ids, NULL, m, UUIDOID);
 	values[1] = relay_array(dests, NULL, m, INT4OID);
-	values[2] = relay_array(attempts, NULL, m, INT4OID);
+	values[2] = relay_array(claims, NULL, m, INT8OID);
 	save_nestlevel = relay_plan_settings();
 	rc = SPI_execute_plan(plan, values, NULL, false, 0);
 	AtEOXact_GUC(true, save_nestlevel);
@@ -723,6 +789,99 @@ relay_relock(RelayItem **items, int n, bool *any)
 			relay_release_chain(mine[i]);
 }
 
+/*
+ * Renew the claims of a pass that runs longer than a claim's window (see
+ * RelayLease): every delivery still ours -- pending, with the attempt number
+ * we claimed it with, whatever became of it in this pass so far -- stays
+ * hidden from other relays for another window from now.  One that is no
+ * longer ours (its deadline passed after all and another relay claimed it,
+ * or its destination was dropped) is not sent if it has not been, nor is
+ * the rest of its chain.  Runs in a short transaction of its own; called
+ * while no transaction is open, with requests in flight (http_deliver).
+ */
+void
+relay_renew_claims(RelayItem **items, int n, RelayLease *lease)
+{
+	MemoryContext cxt = CurrentMemoryContext;
+	Oid			argtypes[4] = {UUIDARRAYOID, INT4ARRAYOID, INT8ARRAYOID, TIMESTAMPTZOID};
+	Datum		values[4];
+	Datum	   *ids;
+	Datum	   *dests;
+	Datum	   *claims;
+	RelayItem **mine;
+	bool	   *renewed;
+	int			m = 0;
+	RelayStep	step;
+	SPIPlanPtr	plan;
+	int			save_nestlevel;
+	int			rc;
+
+	Assert(lease->renewable && !IsTransactionState());
+	step.own_xact = true;
+	if (!relay_step_begin(&step, "idempotency relay: renew claims", false))
+	{
+		MemoryContextSwitchTo(cxt);
+		lease->renew_at = GetCurrentTimestamp() + Max(lease->window_us / 2, 1000);
+		return;
+	}
+
+	/* Allocated in the step's memory, gone at its end. */
+	ids = palloc(sizeof(Datum) * n);
+	dests = palloc(sizeof(Datum) * n);
+	claims = palloc(sizeof(Datum) * n);
+	mine = palloc(sizeof(RelayItem *) * n);
+	renewed = palloc0(sizeof(bool) * n);
+	for (int i = 0; i < n; i++)
+	{
+		if (items[i]->outcome == RELAY_SKIPPED)
+			continue;
+		ids[m] = UUIDPGetDatum(&items[i]->event_id);
+		dests[m] = Int32GetDatum(items[i]->dest_id);
+		claims[m] = Int64GetDatum(items[i]->claim);
+		mine[m++] = items[i];
+	}
+	if (m > 0)
+	{
+		plan = relay_prepare(&renew_plan,
+							 "WITH r AS ("
+							 " SELECT * FROM unnest($1::uuid[], $2::int4[], $3::int8[]) WITH ORDINALITY"
+							 "   AS r(event_id, destination_id, claims, n)),"
+							 " found AS MATERIALIZED ("
+							 " SELECT r.n, r.claims, x.tid FROM r,"
+							 "   LATERAL (SELECT d.ctid AS tid FROM idempotency.deliveries d"
+							 "             WHERE d.event_id = r.event_id"
+							 "               AND d.destination_id = r.destination_id"
+							 "             LIMIT 1) x)"
+							 " UPDATE idempotency.deliveries d"
+							 "    SET next_attempt_at = $4, visible_until = $4"
+							 "   FROM found f"
+							 "  WHERE d.ctid = f.tid AND d.state = 'pending' AND d.claims = f.claims"
+							 " RETURNING f.n",
+							 4, argtypes);
+		values[0] = relay_array(ids, NULL, m, UUIDOID);
+		values[1] = relay_array(dests, NULL, m, INT4OID);
+		values[2] = relay_array(claims, NULL, m, INT8OID);
+		values[3] = TimestampTzGetDatum(GetCurrentTimestamp() + lease->window_us);
+		save_nestlevel = relay_plan_settings();
+		rc = SPI_execute_plan(plan, values, NULL, false, 0);
+		AtEOXact_GUC(true, save_nestlevel);
+		if (rc != SPI_OK_UPDATE_RETURNING)
+			elog(ERROR, "could not renew claimed outbox deliveries");
+		for (uint64 i = 0; i < SPI_processed; i++)
+			renewed[DatumGetInt64(spi_value(SPI_tuptable->vals[i], 1, 0)) - 1] = true;
+
+		for (int j = 0; j < m; j++)
+			if (!renewed[j] && mine[j]->outcome == RELAY_PENDING && !mine[j]->sent)
+			{
+				mine[j]->outcome = RELAY_SKIPPED;
+				relay_release_chain(mine[j]);
+			}
+	}
+	relay_step_end(&step);
+	MemoryContextSwitchTo(cxt);
+	lease->renew_at = GetCurrentTimestamp() + Max(lease->window_us / 2, 1000);
+}
+
 /* The message of a failed delivery, in the pass's memory. */
 static void
 relay_fail(RelayItem *it, MemoryContext cxt, int32 status, const char *error)
@@ -733,13 +892,17 @@ relay_fail(RelayItem *it, MemoryContext cxt, int32 status, const char *error)
 	it->finished_at = GetCurrentTimestamp();
 }
 
-/* NOTIFY the destination's channel: the envelope, or a reference if it is too large. */
+/*
+ * NOTIFY the destination's channel: the envelope, or a reference (the event
+ * id and topic) if the destination asks for one or the envelope is too
+ * large.
+ */
 static void
 relay_notify(RelayItem *it)
 {
 	const char *payload = it->body;
 
-	if (strlen(payload) >= RELAY_NOTIFY_MAX)
+	if (it->dest->reference || payload == NULL || strlen(payload) >= RELAY_NOTIFY_MAX)
 	{
 		StringInfoData buf;
 
@@ -756,11 +919,60 @@ relay_notify(RelayItem *it)
 	it->finished_at = GetCurrentTimestamp();
 }
 
+/* SIGINT while destination functions run: the cancel is real; then what the process does. */
+static void
+relay_sigint_handler(SIGNAL_ARGS)
+{
+	relay_cancel_requested = true;
+	if (relay_saved_sigint != SIG_IGN && relay_saved_sigint != SIG_DFL &&
+		relay_saved_sigint != SIG_ERR && relay_saved_sigint != NULL)
+		(*relay_saved_sigint) (postgres_signal_arg);
+}
+
+/* Route SIGINT through relay_sigint_handler while destination functions run. */
+static void
+relay_watch_cancel(void)
+{
+	if (relay_sigint_installed)
+		return;
+	relay_cancel_requested = false;
+	relay_saved_sigint = pqsignal(SIGINT, relay_sigint_handler);
+	relay_sigint_installed = true;
+}
+
+/* Give SIGINT back to the process's own handler. */
+static void
+relay_unwatch_cancel(void)
+{
+	if (!relay_sigint_installed)
+		return;
+	pqsignal(SIGINT, relay_saved_sigint);
+	relay_sigint_installed = false;
+}
+
+/*
+ * A destination function's timeout has passed: cancel what runs, as
+ * statement_timeout does, but remember that it was the timeout.  Runs in
+ * the SIGALRM handler; the timeout module sets the latch.
+ */
+static void
+relay_function_timeout_handler(void)
+{
+	relay_timeout_fired = true;
+	QueryCancelPending = true;
+	InterruptPending = true;
+}
+
 /*
  * Call a destination function with the event's envelope, in a
  * subtransaction, as the role that created the destination and with its
- * search_path, in a security-restricted operation.  An error rolls the
- * subtransaction back and makes the delivery fail; a cancel still cancels.
+ * search_path, in a security-restricted operation, for at most the
+ * destination's timeout.  Whatever the function does wrong -- raise any
+ * error, query_canceled included; run past its timeout; leave an
+ * idempotency claim unfinished, which would make the commit fail -- rolls
+ * the subtransaction back and makes this delivery fail, to be retried or
+ * dead-lettered.  Only a cancel of the relay itself (pg_cancel_backend, or
+ * the caller's statement_timeout) cancels the pass.
  */
 static void
 relay_call_function(RelayItem *it, MemoryContext cxt)
@@ -768,6 +980,14 @@ relay_call_function(RelayItem *it, MemoryContext cxt)
 	RelayDest  *d = it->dest;
 	MemoryContext oldcxt = CurrentMemoryContext;
 	ResourceOwner oldowner = CurrentResourceOwner;
+	bool		claims_before = claims_pending();
+
+	if (!relay_timeout_registered)
+	{
+		relay_timeout_id = RegisterTimeout(USER_TIMEOUT, relay_function_timeout_handler);
+		relay_timeout_registered = true;
+	}
+	relay_timeout_fired = false;
 
 	BeginInternalSubTransaction(NULL);
 	MemoryContextSwitchTo(oldcxt);
@@ -807,7 +1027,24 @@ relay_call_function(RelayItem *it, MemoryContext cxt)
 		InitFunctionCallInfoData(*callinfo, &d->flinfo, 1, InvalidOid, NULL, NULL);
 		callinfo->args[0].value = JsonbPGetDatum(it->envelope);
 		callinfo->args[0].isnull = false;
+		enable_timeout_after(relay_timeout_id, (int) d->timeout_ms);
 		(void) FunctionCallInvoke(callinfo);
+		disable_timeout(relay_timeout_id, false);
+
+		/* A cancel of the relay that the function swallowed still cancels. */
+		if (relay_cancel_requested)
+			ereport(ERROR,
+					(errcode(ERRCODE_QUERY_CANCELED),
+					 errmsg("canceling statement due to user request")));
+		/* The timeout fired as the function returned: it returned in time. */
+		if (relay_timeout_fired)
+			QueryCancelPending = false;
+		/* The commit guard would fail the relay's transaction: fail the call. */
+		if (!claims_before && claims_pending())
+			ereport(ERROR,
+					(errcode(ERRCODE_INVALID_TRANSACTION_STATE),
+					 errmsg("destination function left an idempotency claim unfinished"),
+					 errhint("Finish every claim the function makes with idem_succeed() or idem_release().")));
 
 		AtEOXact_GUC(true, save_nestlevel);
 		SetUserIdAndSecContext(save_userid, save_sec_context);
@@ -822,6 +1059,7 @@ relay_call_function(RelayItem *it, MemoryContext cxt)
 	{
 		ErrorData  *edata;
 
+		disable_timeout(relay_timeout_id, false);
 		MemoryContextSwitchTo(oldcxt);
 		edata = CopyErrorData();
 		FlushErrorState();
@@ -829,16 +1067,21 @@ relay_call_function(RelayItem *it, MemoryContext cxt)
 		RollbackAndReleaseCurrentSubTransaction();
 		MemoryContextSwitchTo(oldcxt);
 		CurrentResourceOwner = oldowner;
-		if (edata->sqlerrcode == ERRCODE_QUERY_CANCELED)
+		if (relay_cancel_requested)
 			ReThrowError(edata);
-		relay_fail(it, cxt, 0, edata->message);
+		if (relay_timeout_fired && edata->sqlerrcode == ERRCODE_QUERY_CANCELED)
+			relay_fail(it, cxt, 0,
+					   psprintf("the function did not return within the destination's timeout of %lld ms",
+								(long long) d->timeout_ms));
+		else
+			relay_fail(it, cxt, 0, edata->message);
 		FreeErrorData(edata);
 	}
 	PG_END_TRY();
 }
 
 /*
- * Step 3b: record every outcome in one statement, and append the pass's
+ * Step 3: record every outcome in one statement, and append the pass's
  * counts to each destination's counters (a row of increments, which no
  * other relay waits for).  A failure is rescheduled with
  * exponential backoff and full jitter, or dead after max_attempts; a result
@@ -852,7 +1095,7 @@ relay_call_function(RelayItem *it, MemoryContext cxt)
 static int
 relay_record(RelayItem **items, int n, RelayItem **missed)
 {
-	Oid			argtypes[10] = {UUIDARRAYOID, INT4ARRAYOID, INT4ARRAYOID, TEXTARRAYOID,
+	Oid			argtypes[10] = {UUIDARRAYOID, INT4ARRAYOID, INT8ARRAYOID, TEXTARRAYOID,
 		TIMESTAMPTZARRAYOID, INT4ARRAYOID, TEXTARRAYOID, INT8ARRAYOID, BOOLARRAYOID,
 	BOOLARRAYOID};
 	Datum	   *cols[10];
@@ -878,7 +1121,7 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 		TimestampTz next_at = it->finished_at;
 
 		if (it->outcome != RELAY_DELIVERED && it->outcome != RELAY_FAILED &&
-			it->outcome != RELAY_RELEASED)
+			it->outcome != RELAY_RELEASED && it->outcome != RELAY_ABANDONED)
 			continue;
 		if (it->outcome == RELAY_RELEASED)
 		{
@@ -886,6 +1129,8 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 			state = "pending";
 			next_at = it->finished_at = GetCurrentTimestamp();
 		}
+		else if (it->outcome == RELAY_ABANDONED)
+			state = "dead";		/* not attempted either: its attempt given back */
 		else if (it->outcome == RELAY_DELIVERED)
 			state = "delivered";
 		else if (it->attempts >= d->max_attempts)
@@ -903,7 +1148,7 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 		}
 		cols[0][m] = UUIDPGetDatum(&it->event_id);
 		cols[1][m] = Int32GetDatum(d->id);
-		cols[2][m] = Int32GetDatum(it->attempts);
+		cols[2][m] = Int64GetDatum(it->claim);
 		cols[3][m] = CStringGetTextDatum(state);
 		cols[4][m] = TimestampTzGetDatum(next_at);
 		cols[5][m] = Int32GetDatum(it->status);
@@ -912,7 +1157,8 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 		error_nulls[m] = (it->error == NULL);
 		cols[7][m] = Int64GetDatum(it->finished_at - it->published_at);
 		cols[8][m] = BoolGetDatum(it->interrupted);
-		cols[9][m] = BoolGetDatum(it->outcome == RELAY_RELEASED);
+		cols[9][m] = BoolGetDatum(it->outcome == RELAY_RELEASED ||
+								  it->outcome == RELAY_ABANDONED);
 		mine[m++] = it;
 	}
 	if (m == 0)
@@ -920,13 +1166,14 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 
 	plan = relay_prepare(&record_plan,
 						 "WITH r AS ("
-						 " SELECT * FROM unnest($1::uuid[], $2::int4[], $3::int4[], $4::text[],"
+						 " SELECT * FROM unnest($1::uuid[], $2::int4[], $3::int8[], $4::text[],"
 						 "                      $5::timestamptz[], $6::int4[], $7::text[], $8::int8[],"
 						 "                      $9::bool[], $10::bool[]) WITH ORDINALITY"
-						 "   AS r(event_id, destination_id, attempts, state, at, status, error,"
-						 "        latency_us, interrupted, released, n)),"
+						 "   AS r(event_id, destination_id, claims, state, at, status, error,"
+						 "        latency_us, interrupted, given_back, n)),"
 						 " found AS MATERIALIZED ("
-						 " SELECT r.*, x.tid, 'pending'::text AS pending FROM r,"
+						 " SELECT r.*, r.given_back AND r.state = 'pending' AS released,"
+						 "        x.tid, 'pending'::text AS pending FROM r,"
 						 "   LATERAL (SELECT d.ctid AS tid, d.state AS current_state"
 						 "              FROM idempotency.deliveries d"
 						 "             WHERE d.event_id = r.event_id AND d.destination_id = r.destination_id"
@@ -939,14 +1186,14 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 						 "        visible_until = CASE WHEN r.released AND r.interrupted"
 						 "                             THEN d.visible_until END,"
 						 "        delivered_at = CASE WHEN r.state = 'delivered' THEN r.at END,"
-						 "        attempts = d.attempts - r.released::int,"
+						 "        attempts = d.attempts - r.given_back::int,"
 						 "        first_attempt_at = CASE WHEN r.released AND d.attempts = 1"
 						 "                                THEN NULL ELSE d.first_attempt_at END,"
 						 "        last_status = CASE WHEN r.released THEN d.last_status ELSE r.status END,"
 						 "        last_error = CASE WHEN r.released THEN d.last_error ELSE r.error END"
 						 "   FROM found r"
 						 "  WHERE d.ctid = r.tid AND d.state = r.pending"
-						 "    AND (r.state = 'delivered' OR d.attempts = r.attempts)"
+						 "    AND (r.state = 'delivered' OR d.claims = r.claims)"
 						 " RETURNING r.*),"
 						 " s AS ("
 						 " INSERT INTO idempotency.destination_stats"
@@ -956,7 +1203,7 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 						 "        count(*) FILTER (WHERE state = 'delivered'),"
 						 "        count(*) FILTER (WHERE state = 'pending' AND NOT released),"
 						 "        count(*) FILTER (WHERE state = 'dead'),"
-						 "        count(*) FILTER (WHERE interrupted AND NOT released),"
+						 "        count(*) FILTER (WHERE interrupted AND NOT given_back),"
 						 "        coalesce(sum(latency_us) FILTER (WHERE state = 'delivered'), 0),"
 						 "        (array_agg(latency_us ORDER BY n DESC) FILTER (WHERE state = 'delivered'))[1],"
 						 "        max(at) FILTER (WHERE state = 'delivered')"
@@ -966,7 +1213,7 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 
 	values[0] = relay_array(cols[0], NULL, m, UUIDOID);
 	values[1] = relay_array(cols[1], NULL, m, INT4OID);
-	values[2] = relay_array(cols[2], NULL, m, INT4OID);
+	values[2] = relay_array(cols[2], NULL, m, INT8OID);
 	values[3] = relay_array(cols[3], NULL, m, TEXTOID);
 	values[4] = relay_array(cols[4], NULL, m, TIMESTAMPTZOID);
 	values[5] = relay_array(cols[5], status_nulls, m, INT4OID);
@@ -988,6 +1235,16 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 		if (!recorded[j] && mine[j]->outcome == RELAY_DELIVERED)
 			missed[nmissed++] = mine[j];
 	return nmissed;
+}
+
+/* Record the outcomes of items, and again those of successes a race made us miss. */
+static void
+relay_record_all(RelayItem **items, int n, RelayItem **missed)
+{
+	int			nmissed = relay_record(items, n, missed);
+
+	for (int retry = 0; nmissed > 0 && retry < 2; retry++)
+		nmissed = relay_record(missed, nmissed, missed);
 }
 
 /* Disable the destinations whose endpoint answered 410 Gone in this pass. */
@@ -1028,6 +1285,7 @@ static int64
 relay_pass(int max_events)
 {
 	RelayStep	step;
+	MemoryContext entrycxt = CurrentMemoryContext;
 	MemoryContext passcxt;
 	volatile int64 attempted = 0;
 
@@ -1035,54 +1293,133 @@ relay_pass(int max_events)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("max_events must be at least 1")));
+	if (relay_pass_running)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("a relay pass cannot run inside another"),
+				 errdetail("A destination function called idem_outbox_relay().")));
 	if (RecoveryInProgress())
 		return 0;
 
 	step.own_xact = !IsTransactionState();
 	passcxt = AllocSetContextCreate(step.own_xact ? TopMemoryContext : CurrentMemoryContext,
 									"outbox relay pass", ALLOCSET_DEFAULT_SIZES);
+	relay_pass_running = true;
 	PG_TRY();
 	{
 		List	   *dests;
 		RelayItem **items;
 		RelayItem **missed;
+		RelayItem **http_items;
+		RelayItem **local_items;
 		int			n;
-		int			nmissed;
-		bool		any_http = false;
+		int			nhttp = 0;
+		int			nlocal = 0;
+		bool		split;
 		bool		any_local;
+		TimestampTz claimed_at = GetCurrentTimestamp();
+		TimestampTz claimed_until = 0;
+		RelayLease	lease;
 
 		/* Step 1: claim. */
 		if (!relay_step_begin(&step, "idempotency relay: claim", true))
 			goto done;
-		n = relay_claim(max_events, GetCurrentTimestamp(), passcxt, &items);
+		if (!relay_schema_current(step.own_xact))
+		{
+			relay_step_end(&step);
+			goto done;
+		}
+		n = relay_claim(max_events, claimed_at, passcxt, &items);
 		dests = relay_load_dests(passcxt);
 		relay_step_end(&step);
 		if (n == 0)
 			goto done;
+		http_items = MemoryContextAlloc(passcxt, sizeof(RelayItem *) * n);
+		local_items = MemoryContextAlloc(passcxt, sizeof(RelayItem *) * n);
 		for (int i = 0; i < n; i++)
 		{
-			items[i]->dest = relay_find_dest(dests, items[i]->dest_id);
+			RelayItem  *it = items[i];
+
+			it->dest = relay_find_dest(dests, it->dest_id);
 			/* Dropped since: its deliveries are gone with it. */
-			if (items[i]->dest == NULL)
-				items[i]->outcome = RELAY_SKIPPED;
-			else if (items[i]->dest->kind == DEST_HTTP)
-				any_http = true;
+			if (it->dest == NULL)
+				it->outcome = RELAY_SKIPPED;
+			else if (it->dest->kind == DEST_HTTP)
+				http_items[nhttp++] = it;
+			else
+				local_items[nlocal++] = it;
+			if (claimed_until == 0 || it->claimed_until < claimed_until)
+				claimed_until = it->claimed_until;
+
+			/*
+			 * Its last allowed attempt was interrupted before its outcome was
+			 * recorded (the relay died, or its transaction failed at commit):
+			 * perhaps a poison event, dead without another attempt.
+			 */
+			if (it->dest != NULL && it->interrupted && it->attempts > it->dest->max_attempts)
+			{
+				char		why[160];
+
+				snprintf(why, sizeof(why),
+						 "not attempted again: its last attempt (%d of max_attempts %d) was interrupted before its outcome was recorded",
+						 it->attempts - 1, it->dest->max_attempts);
+				relay_fail(it, passcxt, 0, why);
+				it->outcome = RELAY_ABANDONED;
+				relay_release_chain(it);
+			}
 		}
 
-		/* Step 2: HTTP, outside any transaction of ours. */
-		if (any_http)
+		/*
+		 * Step 2: HTTP, outside any transaction of ours, renewing the claims
+		 * when the requests take longer than they allowed for.
+		 */
+		if (nhttp > 0)
 		{
 			MemoryContext old = MemoryContextSwitchTo(passcxt);
 
-			http_deliver(items, n);
+			lease.renewable = step.own_xact;
+			lease.window_us = Max(claimed_until - claimed_at, 0);
+			lease.renew_at = claimed_at + lease.window_us / 2;
+			http_deliver(items, n, &lease);
 			MemoryContextSwitchTo(old);
 		}
+		missed = MemoryContextAlloc(passcxt, sizeof(RelayItem *) * n);
 
-		/* Step 3: in-database deliveries, then every outcome, in one transaction. */
+		/*
+		 * Step 3a, when in-database deliveries follow webhooks in a pass of
+		 * our own: the webhooks' outcomes first, in a transaction of their
+		 * own.  Function calls may take a while (each up to its timeout),
+		 * and meanwhile nothing would keep the webhooks' claims hidden.
+		 */
+		split = step.own_xact && nhttp > 0 && nlocal > 0;
+		if (split)
+		{
+			if (!relay_step_begin(&step, "idempotency relay: record", false))
+				goto done;
+			relay_record_all(http_items, nhttp, missed);
+			relay_disable(dests);
+			relay_step_end(&step);
+		}
+
+		/* Step 3b: in-database deliveries, then the outcomes, in one transaction. */
 		if (!relay_step_begin(&step, "idempotency relay: record", false))
 			goto done;
-		missed = MemoryContextAlloc(passcxt, sizeof(RelayItem *) * n);
 		relay_relock(items, n, &any_local);
+		if (any_local)
+			relay_watch_cancel();
+		if (any_local && step.own_xact)
+		{
+			/*
+			 * Deferred constraints are checked as each function's statements
+			 * end, not at our commit: a function that violates one fails its
+			 * own delivery, not the transaction that records every outcome.
+			 */
+			ConstraintsSetStmt *immediate = makeNode(ConstraintsSetStmt);
+
+			immediate->constraints = NIL;
+			immediate->deferred = false;
+			AfterTriggerSetState(immediate);
+		}
 		for (int i = 0; any_local && i < n; i++)
 		{
 			RelayItem  *it = items[i];
@@ -1098,10 +1435,14 @@ relay_pass(int max_events)
 			if (it->outcome != RELAY_DELIVERED)
 				relay_release_chain(it);
 		}
-		nmissed = relay_record(items, n, missed);
-		for (int retry = 0; nmissed > 0 && retry < 2; retry++)
-			nmissed = relay_record(missed, nmissed, missed);
-		relay_disable(dests);
+		relay_unwatch_cancel();
+		if (split)
+			relay_record_all(local_items, nlocal, missed);
+		else
+		{
+			relay_record_all(items, n, missed);
+			relay_disable(dests);
+		}
 		relay_step_end(&step);
 
 		for (int i = 0; i < n; i++)
@@ -1112,6 +1453,9 @@ done:
 	}
 	PG_FINALLY();
 	{
+		relay_unwatch_cancel();
+		relay_pass_running = false;
+		MemoryContextSwitchTo(entrycxt);
 		MemoryContextDelete(passcxt);
 	}
 	PG_END_TRY();
@@ -1123,7 +1467,40 @@ done:
 int64
 relay_run(int max_events)
 {
+	/* A server made read-only on purpose gets no writes from us either. */
+	if (DefaultXactReadOnly)
+		return 0;
 	return relay_pass(max_events);
+}
+
+/* See relay.h. */
+bool
+bgworker_run_guarded(const char *what, void (*unit) (void *arg), void *arg)
+{
+	MemoryContext cxt = CurrentMemoryContext;
+	volatile bool ok = true;
+
+	Assert(!IsTransactionState());
+	PG_TRY();
+	{
+		unit(arg);
+	}
+	PG_CATCH();
+	{
+		/* As autovacuum does after an error on one table. */
+		HOLD_INTERRUPTS();
+		MemoryContextSwitchTo(cxt);
+		errcontext("%s", what);
+		EmitErrorReport();
+		AbortOutOfAnyTransaction();
+		MemoryContextSwitchTo(cxt);
+		FlushErrorState();
+		pgstat_report_activity(STATE_IDLE, NULL);
+		RESUME_INTERRUPTS();
+		ok = false;
+	}
+	PG_END_TRY();
+	return ok;
 }
 
 /* See relay.h. */
@@ -1198,6 +1575,9 @@ outbox_cleanup(int batch)
 	if (RecoveryInProgress())
 		return 0;
 	step.own_xact = !IsTransactionState();
+	/* As for the relay: a server made read-only gets no writes from the worker. */
+	if (step.own_xact && DefaultXactReadOnly)
+		return 0;
 	cutoff = GetCurrentTimestamp() - (int64) outbox_retention * USECS_PER_SEC;
 
 	/* Delivered deliveries past the retention. */

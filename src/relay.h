@@ -25,10 +25,22 @@
  * outcomes.  Returns the number of deliveries attempted.  The worker passes
  * idempotency.relay_batch_size (relay_batch_size in outbox.h), and calls
  * again at once while a pass attempted anything.  A pass does nothing on a
- * hot standby, in a database without the outbox, or while another session
- * holds a lock on the deliveries that it would wait for.
+ * hot standby, while default_transaction_read_only is on, in a database
+ * without the outbox, or while another session holds a lock on the
+ * deliveries that it would wait for.
  */
 extern int64 relay_run(int max_events);
+
+/*
+ * Run unit(arg), a piece of a background worker's work (a relay pass, a
+ * cleanup pass), so that an error ends only that piece: the error is
+ * logged with what as its context, the transaction is aborted, and false
+ * is returned; the worker backs off and goes on, as autovacuum does after
+ * an error on one table.  A cancel (pg_cancel_backend) thus cancels the
+ * piece at work; a terminate (pg_terminate_backend, FATAL) still ends the
+ * process.  Called outside any transaction.
+ */
+extern bool bgworker_run_guarded(const char *what, void (*unit) (void *arg), void *arg);
 
 /*
  * The earliest next_attempt_at of a pending delivery of an active
@@ -41,7 +53,8 @@ extern TimestampTz relay_next_due(void);
  * Remove deliveries delivered longer than idempotency.outbox_retention ago,
  * and events older than that with no delivery left, in batches of batch
  * rows; fold the per-pass statistics rows.  Returns the number of events
- * removed.
+ * removed.  Outside a transaction, does nothing while
+ * default_transaction_read_only is on.
  */
 extern int64 outbox_cleanup(int batch);
 

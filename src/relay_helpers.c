@@ -164,16 +164,25 @@ relay_helper_dismissed(const HelperArgs *args)
 		idem_stats_worker_pid(MyDatabaseId) != args->worker_pid;
 }
 
+/* One relay pass of a helper, for bgworker_run_guarded: *arg gets the deliveries attempted. */
+static void
+relay_helper_pass(void *arg)
+{
+	*(int64 *) arg = relay_run(relay_batch_size);
+}
+
 /*
  * Main function of a relay helper: relay passes back to back while they
  * claim full batches; after one that does not, wait a moment and try once
- * more, then exit.  Exit early when dismissed.
+ * more, then exit.  Exit early when dismissed.  A pass that fails is logged
+ * and counts as one that was not full.
  */
 void
 idem_relay_helper_main(Datum main_arg)
 {
 	HelperArgs	args;
 	bool		lingered = false;
+	char		context[BGW_MAXLEN];
 
 	memcpy(&args, MyBgworkerEntry->bgw_extra, sizeof(args));
 	pqsignal(SIGHUP, SignalHandlerForConfigReload);
@@ -187,10 +196,15 @@ idem_relay_helper_main(Datum main_arg)
 	SetConfigOption("default_transaction_isolation", "read committed",
 					PGC_SUSET, PGC_S_OVERRIDE);
 
+	/* "idempotency relay for database <name>" */
+	strlcpy(context, MyBgworkerEntry->bgw_name, sizeof(context));
 	while (!relay_helper_dismissed(&args))
 	{
+		int64		attempted = 0;
+
 		CHECK_FOR_INTERRUPTS();
-		if (relay_run(relay_batch_size) >= relay_batch_size)
+		if (bgworker_run_guarded(context, relay_helper_pass, &attempted) &&
+			attempted >= relay_batch_size)
 		{
 			lingered = false;
 			continue;

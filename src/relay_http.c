@@ -16,6 +16,23 @@
  * disables the destination; everything else (other statuses, timeouts,
  * refused connections) is a failure to retry.  Redirects are not followed.
  *
+ * The relay only connects to public addresses, unless
+ * idempotency.relay_allowed_networks lists the address: no destination,
+ * whoever created it, can make the server post to itself, its private
+ * network or a cloud metadata service and read the answer back from the
+ * dead letters.  The address is checked when libcurl opens the socket,
+ * after name resolution (CURLOPT_OPENSOCKETFUNCTION), so that a name that
+ * resolves to a private address is refused too, whatever DNS answers;
+ * libcurl is told to ignore proxy settings of the environment, so that it
+ * connects to the address it checked.  idem_destination_create refuses
+ * early a URL whose host is a forbidden address literal or localhost.
+ *
+ * Every socket libcurl opens for the relay is reported to PostgreSQL's file
+ * descriptor accounting (AcquireExternalFD when it opens, ReleaseExternalFD
+ * when it closes), which lets a backend's external descriptors take up to a
+ * third of max_safe_fds; the relay keeps no more requests in flight, nor
+ * connections alive, than that share (http_max_in_flight).
+ *
  * Requests run concurrently on one libcurl multi handle, at most
  * idempotency.relay_max_in_flight at a time.  The multi handle lives as long
  * as the backend, so its connection cache keeps connections alive from one
@@ -27,6 +44,10 @@
  */
 #include "postgres.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <curl/curl.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
@@ -36,9 +57,12 @@
 
 #include "common/base64.h"
 #include "miscadmin.h"
+#include "storage/fd.h"
 #include "utils/builtins.h"
+#include "utils/guc.h"
 #include "utils/memutils.h"
 #include "utils/uuid.h"
+#include "utils/varlena.h"
 
 #include "outbox.h"
 #include "relay_http.h"
@@ -52,6 +76,31 @@
 static bool curl_initialized = false;
 static CURLM *multi = NULL;
 
+/* A network of idempotency.relay_allowed_networks. */
+typedef struct HttpNetwork
+{
+	int			family;			/* AF_INET or AF_INET6 */
+	int			bits;			/* prefix length */
+	unsigned char addr[16];		/* network byte order */
+} HttpNetwork;
+
+/* The parsed setting: the check hook's "extra". */
+typedef struct HttpAllowlist
+{
+	int			n;
+	HttpNetwork nets[FLEXIBLE_ARRAY_MEMBER];
+} HttpAllowlist;
+
+static HttpAllowlist *http_allowlist = NULL;
+
+/*
+ * Changed whenever the setting changes: a connection kept alive from before
+ * may lead to an address no longer allowed, so the multi handle and its
+ * connection cache are replaced.
+ */
+static uint64 http_allowlist_generation = 0;
+static uint64 multi_generation = 0;
+
 /* Easy handles kept between requests: curl_easy_reset is cheaper than a new one. */
 #define HTTP_MAX_SPARE_HANDLES	1024
 static CURL *spare_handles[HTTP_MAX_SPARE_HANDLES];
@@ -64,6 +113,8 @@ typedef struct HttpRequest
 	CURL	   *easy;
 	struct curl_slist *headers;
 	char		errbuf[CURL_ERROR_SIZE];
+	char		refusal[256];	/* why a connection was refused, or "" */
+	bool		no_fd;			/* refused: no file descriptor to spare */
 } HttpRequest;
 
 /* Initialise libcurl once per backend. */
@@ -79,22 +130,408 @@ http_init(void)
 	curl_initialized = true;
 }
 
+/* Close the backend's multi handle and every connection it keeps alive. */
+static void
+http_multi_close(void)
+{
+	if (multi == NULL)
+		return;
+	curl_multi_cleanup(multi);
+	multi = NULL;
+	/* Its wake-up socket pair. */
+	ReleaseExternalFD();
+	ReleaseExternalFD();
+}
+
 /* The backend's multi handle, created on first use and kept for its connection cache. */
 static CURLM *
 http_multi(void)
 {
 	http_init();
+	/* Connections made under another allowlist: close them all. */
+	if (multi != NULL && multi_generation != http_allowlist_generation)
+		http_multi_close();
 	if (multi == NULL)
 	{
+		multi_generation = http_allowlist_generation;
 		multi = curl_multi_init();
 		if (multi == NULL)
 			ereport(ERROR,
 					(errcode(ERRCODE_OUT_OF_MEMORY),
 					 errmsg("could not create a libcurl multi handle")));
+		/* Its wake-up socket pair. */
+		ReserveExternalFD();
+		ReserveExternalFD();
 	}
-	curl_multi_setopt(multi, CURLMOPT_MAX_HOST_CONNECTIONS, (long) relay_max_in_flight);
-	curl_multi_setopt(multi, CURLMOPT_MAXCONNECTS, (long) relay_max_in_flight);
+	curl_multi_setopt(multi, CURLMOPT_MAX_HOST_CONNECTIONS, (long) http_max_in_flight());
+	curl_multi_setopt(multi, CURLMOPT_MAXCONNECTS, (long) http_max_in_flight());
 	return multi;
+}
+
+/*
+ * How many requests the relay has in flight at most, and connections kept
+ * alive: idempotency.relay_max_in_flight, but no more than the file
+ * descriptors PostgreSQL lets this backend hold besides its own files (a
+ * third of max_safe_fds, as AcquireExternalFD allows).
+ */
+int
+http_max_in_flight(void)
+{
+	return Max(1, Min(relay_max_in_flight, max_safe_fds / 3));
+}
+
+/*
+ * What kind of non-public IPv4 address a (4 bytes, network order) is, or
+ * NULL for a public one: the special-purpose ranges of RFC 6890 and its
+ * updates, which an outside webhook endpoint never has.
+ */
+static const char *
+http_ipv4_kind(const unsigned char *a)
+{
+	static const struct
+	{
+		uint32		net;
+		int			bits;
+		const char *kind;
+	}			special[] = {
+		{0x00000000, 8, "a \"this network\" address (0.0.0.0/8)"},
+		{0x0A000000, 8, "a private address (10.0.0.0/8)"},
+		{0x64400000, 10, "a shared address (100.64.0.0/10)"},
+		{0x7F000000, 8, "a loopback address (127.0.0.0/8)"},
+		{0xA9FE0000, 16, "a link-local address (169.254.0.0/16)"},
+		{0xAC100000, 12, "a private address (172.16.0.0/12)"},
+		{0xC0000000, 24, "an IETF protocol address (192.0.0.0/24)"},
+		{0xC0000200, 24, "a documentation address (192.0.2.0/24)"},
+		{0xC0586300, 24, "a 6to4 relay address (192.88.99.0/24)"},
+		{0xC0A80000, 16, "a private address (192.168.0.0/16)"},
+		{0xC6120000, 15, "a benchmarking address (198.18.0.0/15)"},
+		{0xC6336400, 24, "a documentation address (198.51.100.0/24)"},
+		{0xCB007100, 24, "a documentation address (203.0.113.0/24)"},
+		{0xE0000000, 4, "a multicast address (224.0.0.0/4)"},
+		{0xF0000000, 4, "a reserved address (240.0.0.0/4)"},
+	};
+	uint32		v = ((uint32) a[0] << 24) | ((uint32) a[1] << 16) |
+		((uint32) a[2] << 8) | (uint32) a[3];
+
+	for (int i = 0; i < lengthof(special); i++)
+		if ((v >> (32 - special[i].bits)) == (special[i].net >> (32 - special[i].bits)))
+			return special[i].kind;
+	return NULL;
+}
+
+/* Whether the first bits of a and b (network order) are the same. */
+static bool
+http_prefix_equal(const unsigned char *a, const unsigned char *b, int bits)
+{
+	int			bytes = bits / 8;
+	int			rest = bits % 8;
+
+	if (memcmp(a, b, bytes) != 0)
+		return false;
+	if (rest == 0)
+		return true;
+	return ((a[bytes] ^ b[bytes]) & (0xFF << (8 - rest))) == 0;
+}
+
+/*
+ * What kind of non-public IPv6 address a (16 bytes) is, or NULL: only
+ * global unicast (2000::/3) is public, less its special-purpose ranges.
+ * Callers have turned IPv4-mapped and NAT64 addresses into IPv4 ones.
+ */
+static const char *
+http_ipv6_kind(const unsigned char *a)
+{
+	static const struct
+	{
+		unsigned char net[4];
+		int			bits;
+		const char *kind;
+	}			special[] = {
+		{{0x20, 0x01, 0x0d, 0xb8}, 32, "a documentation address (2001:db8::/32)"},
+		{{0x20, 0x01, 0x00, 0x00}, 23, "an IETF protocol address (2001::/23)"},
+		{{0x20, 0x02, 0x00, 0x00}, 16, "a 6to4 address (2002::/16)"},
+		{{0xfc, 0x00, 0x00, 0x00}, 7, "a unique local address (fc00::/7)"},
+		{{0xfe, 0x80, 0x00, 0x00}, 10, "a link-local address (fe80::/10)"},
+		{{0xfe, 0xc0, 0x00, 0x00}, 10, "a site-local address (fec0::/10)"},
+		{{0xff, 0x00, 0x00, 0x00}, 8, "a multicast address (ff00::/8)"},
+	};
+	static const unsigned char loopback[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+	static const unsigned char unspecified[16] = {0};
+
+	if (memcmp(a, loopback, 16) == 0)
+		return "a loopback address (::1)";
+	if (memcmp(a, unspecified, 16) == 0)
+		return "the unspecified address (::)";
+	for (int i = 0; i < lengthof(special); i++)
+		if (http_prefix_equal(a, special[i].net, special[i].bits))
+			return special[i].kind;
+	if ((a[0] & 0xE0) != 0x20)
+		return "not a global unicast address (2000::/3)";
+	return NULL;
+}
+
+/*
+ * An address as the checks see it: family and bytes, with IPv4-mapped
+ * (::ffff:0:0/96) and NAT64 (64:ff9b::/96) addresses turned into the IPv4
+ * address they lead to.  False for a family other than IPv4 and IPv6.
+ */
+static bool
+http_address_bytes(const struct sockaddr *sa, int *family, unsigned char *bytes)
+{
+	static const unsigned char v4mapped[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+	static const unsigned char nat64[12] = {0, 0x64, 0xff, 0x9b, 0, 0, 0, 0, 0, 0, 0, 0};
+
+	if (sa->sa_family == AF_INET)
+	{
+		*family = AF_INET;
+		memcpy(bytes, &((const struct sockaddr_in *) sa)->sin_addr, 4);
+		return true;
+	}
+	if (sa->sa_family == AF_INET6)
+	{
+		const unsigned char *a = (const unsigned char *) &((const struct sockaddr_in6 *) sa)->sin6_addr;
+
+		if (memcmp(a, v4mapped, 12) == 0 || memcmp(a, nat64, 12) == 0)
+		{
+			*family = AF_INET;
+			memcpy(bytes, a + 12, 4);
+		}
+		else
+		{
+			*family = AF_INET6;
+			memcpy(bytes, a, 16);
+		}
+		return true;
+	}
+	return false;
+}
+
+/*
+ * Why the relay may not connect to sa, or NULL if it may: a public
+ * address, or one in idempotency.relay_allowed_networks.  Runs inside
+ * libcurl's calls: it must not raise an error or allocate.
+ */
+static const char *
+http_address_refusal(const struct sockaddr *sa)
+{
+	int			family;
+	unsigned char bytes[16];
+	const char *kind;
+
+	if (!http_address_bytes(sa, &family, bytes))
+		return "not an IP address";
+	kind = (family == AF_INET) ? http_ipv4_kind(bytes) : http_ipv6_kind(bytes);
+	if (kind == NULL)
+		return NULL;
+	if (http_allowlist != NULL)
+		for (int i = 0; i < http_allowlist->n; i++)
+		{
+			const HttpNetwork *net = &http_allowlist->nets[i];
+
+			if (net->family == family && http_prefix_equal(bytes, net->addr, net->bits))
+				return NULL;
+		}
+	return kind;
+}
+
+/*
+ * libcurl's CURLOPT_OPENSOCKETFUNCTION: open a socket to a resolved
+ * address only if the relay may connect there; else note why in the
+ * request and refuse (libcurl then fails the transfer, or tries the
+ * host's next address).
+ */
+static curl_socket_t
+http_open_socket(void *clientp, curlsocktype purpose, struct curl_sockaddr *address)
+{
+	HttpRequest *req = clientp;
+	const char *why = http_address_refusal(&address->addr);
+	curl_socket_t sock;
+
+	if (why != NULL)
+	{
+		if (req->refusal[0] == '\0')
+		{
+			char		text[INET6_ADDRSTRLEN] = "?";
+			const void *a = (address->family == AF_INET6) ?
+				(const void *) &((struct sockaddr_in6 *) &address->addr)->sin6_addr :
+				(const void *) &((struct sockaddr_in *) &address->addr)->sin_addr;
+
+			(void) inet_ntop(address->family, a, text, sizeof(text));
+			snprintf(req->refusal, sizeof(req->refusal),
+					 "refused to connect to %s: %s, not listed in idempotency.relay_allowed_networks",
+					 text, why);
+		}
+		return CURL_SOCKET_BAD;
+	}
+	/* A descriptor PostgreSQL must know of: it may not have one to spare. */
+	if (!AcquireExternalFD())
+	{
+		req->no_fd = true;
+		if (req->refusal[0] == '\0')
+			snprintf(req->refusal, sizeof(req->refusal),
+					 "no file descriptor to spare for a connection in this server process (max_files_per_process)");
+		return CURL_SOCKET_BAD;
+	}
+	sock = socket(address->family, address->socktype, address->protocol);
+	if (sock == CURL_SOCKET_BAD)
+		ReleaseExternalFD();
+	return sock;
+}
+
+/*
+ * libcurl's CURLOPT_CLOSESOCKETFUNCTION, for the sockets http_open_socket
+ * opened (also those of connections kept alive): close it and tell
+ * PostgreSQL's accounting.
+ */
+static int
+http_close_socket(void *clientp, curl_socket_t sock)
+{
+	int			rc = close(sock);
+
+	ReleaseExternalFD();
+	return rc;
+}
+
+/* Check hook of idempotency.relay_allowed_networks: IP addresses and CIDR networks. */
+bool
+http_check_allowed_networks(char **newval, void **extra, GucSource source)
+{
+	char	   *raw = pstrdup(*newval);
+	List	   *items;
+	ListCell   *lc;
+	HttpAllowlist *list;
+	int			n = 0;
+
+	if (!SplitGUCList(raw, ',', &items))
+	{
+		GUC_check_errdetail("List syntax is invalid.");
+		return false;
+	}
+	/* The GUC machinery frees "extra" with free(). */
+	list = malloc(offsetof(HttpAllowlist, nets) +
+				  sizeof(HttpNetwork) * Max(list_length(items), 1));
+	if (list == NULL)
+	{
+		GUC_check_errcode(ERRCODE_OUT_OF_MEMORY);
+		GUC_check_errmsg("out of memory");
+		return false;
+	}
+	foreach(lc, items)
+	{
+		char	   *item = lfirst(lc);
+		char	   *slash = strchr(item, '/');
+		HttpNetwork *net = &list->nets[n];
+		int			maxbits;
+
+		if (slash != NULL)
+			*slash = '\0';
+		memset(net, 0, sizeof(*net));
+		if (inet_pton(AF_INET, item, net->addr) == 1)
+			net->family = AF_INET;
+		else if (inet_pton(AF_INET6, item, net->addr) == 1)
+			net->family = AF_INET6;
+		else
+		{
+			GUC_check_errdetail("\"%s\" is not an IP address.", item);
+			GUC_check_errhint("List IP addresses or networks such as 127.0.0.1, 10.0.0.0/8 or fd00::/8; names are not accepted, since the relay checks the address a name resolves to.");
+			free(list);
+			return false;
+		}
+		maxbits = (net->family == AF_INET) ? 32 : 128;
+		net->bits = maxbits;
+		if (slash != NULL)
+		{
+			char	   *end;
+			long		bits = strtol(slash + 1, &end, 10);
+
+			if (slash[1] == '\0' || *end != '\0' || bits < 0 || bits > maxbits)
+			{
+				GUC_check_errdetail("\"%s/%s\" has an invalid prefix length: it must be 0 to %d.",
+									item, slash + 1, maxbits);
+				free(list);
+				return false;
+			}
+			net->bits = (int) bits;
+		}
+		n++;
+	}
+	list->n = n;
+	*extra = list;
+	list_free(items);
+	pfree(raw);
+	return true;
+}
+
+/* Assign hook of idempotency.relay_allowed_networks. */
+void
+http_assign_allowed_networks(const char *newval, void *extra)
+{
+	http_allowlist = (HttpAllowlist *) extra;
+	http_allowlist_generation++;
+}
+
+/*
+ * Why the host of a valid http(s) URL may not be a destination's, or
+ * NULL: an address literal the relay would refuse to connect to, or a name
+ * that means loopback by definition (localhost, *.localhost).  Other names
+ * are checked when the relay connects, after they are resolved.
+ */
+const char *
+http_check_url_host(const char *url)
+{
+	CURLU	   *u;
+	char	   *part = NULL;
+	char	   *host;
+	size_t		len;
+	struct sockaddr_storage ss;
+	const char *why = NULL;
+
+	http_init();
+	u = curl_url();
+	if (u == NULL)
+		ereport(ERROR,
+				(errcode(ERRCODE_OUT_OF_MEMORY),
+				 errmsg("out of memory")));
+	if (curl_url_set(u, CURLUPART_URL, url, 0) != CURLUE_OK ||
+		curl_url_get(u, CURLUPART_HOST, &part, 0) != CURLUE_OK)
+	{
+		curl_url_cleanup(u);
+		return NULL;			/* http_check_url has said why */
+	}
+	host = pstrdup(part);
+	curl_free(part);
+	curl_url_cleanup(u);
+
+	/* "[v6]" to "v6"; one trailing dot (a fully qualified name) dropped. */
+	len = strlen(host);
+	if (len >= 2 && host[0] == '[' && host[len - 1] == ']')
+	{
+		host[len - 1] = '\0';
+		host++;
+	}
+	else if (len > 1 && host[len - 1] == '.')
+		host[len - 1] = '\0';
+
+	memset(&ss, 0, sizeof(ss));
+	if (inet_pton(AF_INET, host, &((struct sockaddr_in *) &ss)->sin_addr) == 1)
+		ss.ss_family = AF_INET;
+	else if (inet_pton(AF_INET6, host, &((struct sockaddr_in6 *) &ss)->sin6_addr) == 1)
+		ss.ss_family = AF_INET6;
+	else if (pg_strcasecmp(host, "localhost") == 0 ||
+			 (strlen(host) > 10 &&
+			  pg_strcasecmp(host + strlen(host) - 10, ".localhost") == 0))
+	{
+		/* It resolves to 127.0.0.1 (and ::1). */
+		ss.ss_family = AF_INET;
+		((struct sockaddr_in *) &ss)->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	}
+	else
+		return NULL;
+
+	why = http_address_refusal((struct sockaddr *) &ss);
+	if (why == NULL)
+		return NULL;
+	return psprintf("The host %s is %s.", host, why);
 }
 
 /*
@@ -357,8 +794,17 @@ http_start(CURLM *m, HttpRequest *req)
 				 errmsg("could not create a libcurl handle")));
 	req->easy = e;
 	req->errbuf[0] = '\0';
+	req->refusal[0] = '\0';
+	req->no_fd = false;
+	it->sent = true;
 	curl_easy_setopt(e, CURLOPT_URL, d->target);
 	curl_easy_setopt(e, CURLOPT_PROTOCOLS_STR, "http,https");
+	/* Connect only where http_open_socket allows, and directly. */
+	curl_easy_setopt(e, CURLOPT_OPENSOCKETFUNCTION, http_open_socket);
+	curl_easy_setopt(e, CURLOPT_OPENSOCKETDATA, req);
+	curl_easy_setopt(e, CURLOPT_CLOSESOCKETFUNCTION, http_close_socket);
+	curl_easy_setopt(e, CURLOPT_CLOSESOCKETDATA, NULL);
+	curl_easy_setopt(e, CURLOPT_PROXY, "");
 	curl_easy_setopt(e, CURLOPT_FOLLOWLOCATION, 0L);
 	curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
 	curl_easy_setopt(e, CURLOPT_POST, 1L);
@@ -407,7 +853,10 @@ http_outcome(HttpRequest *req, CURLcode result)
 	if (result != CURLE_OK)
 	{
 		it->outcome = RELAY_FAILED;
-		it->error = psprintf("%s", req->errbuf[0] ? req->errbuf : curl_easy_strerror(result));
+		if (req->refusal[0] != '\0')
+			it->error = pstrdup(req->refusal);
+		else
+			it->error = psprintf("%s", req->errbuf[0] ? req->errbuf : curl_easy_strerror(result));
 		return;
 	}
 	curl_easy_getinfo(req->easy, CURLINFO_RESPONSE_CODE, &status);
@@ -425,22 +874,30 @@ http_outcome(HttpRequest *req, CURLcode result)
 
 /*
  * Deliver every pending item of kind 'http' in items, at most
- * idempotency.relay_max_in_flight at a time, and set each one's outcome.
+ * http_max_in_flight() at a time, and set each one's outcome.
  * The deliveries of one key to one destination go one after the other: each
  * starts when its predecessor is delivered, and is released (not sent) if
- * the predecessor fails.  Allocates in the current memory context (the
- * pass's).
+ * the predecessor fails.  While requests are under way, the pass's claims
+ * are renewed when lease says so; a delivery that is no longer ours by then
+ * is not sent.  A request that finds no file descriptor to spare for a new
+ * connection waits for one to come free, and the pass keeps fewer in
+ * flight; with none in flight, the idle connections are closed first.
+ * Allocates in the current memory context (the pass's).
  */
 void
-http_deliver(RelayItem **items, int nitems)
+http_deliver(RelayItem **items, int nitems, RelayLease *lease)
 {
 	CURLM	   *m = http_multi();
 	HttpRequest *reqs = palloc0(sizeof(HttpRequest) * nitems);
-	int		   *ready = palloc(sizeof(int) * nitems);	/* queue of requests */
-	int			nreqs = 0;
+	int		   *ready = palloc(sizeof(int) * nitems);	/* a ring of requests to start */
 	int			ready_head = 0;
-	int			ready_tail = 0;
+	int			ready_len = 0;
+	int			nreqs = 0;
 	int			in_flight = 0;
+	int			max_in_flight = http_max_in_flight();
+	bool		closed_idle = false;
+
+#define READY_PUSH(slot) (ready[(ready_head + ready_len++) % nitems] = (slot))
 
 	for (int i = 0; i < nitems; i++)
 	{
@@ -449,22 +906,33 @@ http_deliver(RelayItem **items, int nitems)
 			items[i]->http_slot = nreqs;
 			reqs[nreqs].item = items[i];
 			if (!items[i]->chain_held)
-				ready[ready_tail++] = nreqs;
+				READY_PUSH(nreqs);
 			nreqs++;
 		}
 	}
 
 	PG_TRY();
 	{
-		while (ready_head < ready_tail || in_flight > 0)
+		while (ready_len > 0 || in_flight > 0)
 		{
 			int			running;
 			CURLMsg    *msg;
 			int			left;
+			bool		close_idle = false;
 
-			while (in_flight < relay_max_in_flight && ready_head < ready_tail)
+			/* A long pass: keep its claims hidden from other relays. */
+			if (lease->renewable && GetCurrentTimestamp() >= lease->renew_at)
+				relay_renew_claims(items, nitems, lease);
+
+			while (in_flight < max_in_flight && ready_len > 0)
 			{
-				http_start(m, &reqs[ready[ready_head++]]);
+				HttpRequest *req = &reqs[ready[ready_head++ % nitems]];
+
+				ready_len--;
+				/* Taken over after all (see relay_renew_claims): not ours to send. */
+				if (req->item->outcome != RELAY_PENDING)
+					continue;
+				http_start(m, req);
 				in_flight++;
 			}
 
@@ -480,19 +948,41 @@ http_deliver(RelayItem **items, int nitems)
 				if (msg->msg != CURLMSG_DONE)
 					continue;
 				curl_easy_getinfo(msg->easy_handle, CURLINFO_PRIVATE, (char **) &req);
+				in_flight--;
+
+				/* No descriptor for a new connection: try again once one is free. */
+				if (req->no_fd && msg->data.result != CURLE_OK &&
+					(in_flight > 0 || !closed_idle))
+				{
+					if (in_flight > 0)
+						max_in_flight = Max(in_flight, 1);
+					else
+						close_idle = true;
+					http_finish(m, req);
+					req->item->sent = false;
+					READY_PUSH(req->item->http_slot);
+					continue;
+				}
+
 				http_outcome(req, msg->data.result);
 				http_finish(m, req);
-				in_flight--;
 
 				/* The next delivery of the key may go now, or never. */
 				next = req->item->chain_next;
 				if (req->item->outcome != RELAY_DELIVERED)
 					relay_release_chain(req->item);
 				else if (next != NULL && next->outcome == RELAY_PENDING)
-					ready[ready_tail++] = next->http_slot;
+					READY_PUSH(next->http_slot);
+			}
+			if (close_idle && in_flight == 0)
+			{
+				/* Idle connections (to other hosts, say) hold descriptors. */
+				http_multi_close();
+				m = http_multi();
+				closed_idle = true;
 			}
 			if (in_flight > 0 &&
-				(ready_head >= ready_tail || in_flight >= relay_max_in_flight))
+				(ready_len == 0 || in_flight >= max_in_flight))
 			{
 				int			numfds;
 
@@ -508,10 +998,11 @@ http_deliver(RelayItem **items, int nitems)
 	{
 		/* Abandon what is in flight; the multi handle stays usable. */
 		for (int i = 0; i < nreqs; i++)
-			http_finish(m, &reqs[i]);
+			http_finish(multi, &reqs[i]);
 		PG_RE_THROW();
 	}
 	PG_END_TRY();
+#undef READY_PUSH
 	pfree(reqs);
 	pfree(ready);
 }

@@ -37,6 +37,7 @@ typedef struct RelayDest
 	FmgrInfo	flinfo;			/* kind 'function', once looked up */
 	bool		flinfo_ready;
 	char	   *disable_reason; /* set when the endpoint answered 410 Gone */
+	bool		reference;		/* kind 'notify': send the event id, not the event */
 } RelayDest;
 
 /* What became of one claimed delivery. */
@@ -46,8 +47,11 @@ typedef enum RelayOutcome
 	RELAY_DELIVERED,
 	RELAY_FAILED,
 	RELAY_SKIPPED,				/* another relay owns it now: record nothing */
-	RELAY_RELEASED				/* not attempted: its key's previous delivery was not
+	RELAY_RELEASED,				/* not attempted: its key's previous delivery was not
 								 * delivered; the claim is given back */
+	RELAY_ABANDONED				/* not attempted: its last allowed attempt was
+								 * interrupted before its outcome was recorded; it
+								 * is dead */
 } RelayOutcome;
 
 /* One claimed delivery. */
@@ -56,7 +60,10 @@ typedef struct RelayItem
 	pg_uuid_t	event_id;
 	int32		dest_id;
 	RelayDest  *dest;			/* NULL if the destination was dropped */
-	int32		attempts;		/* this attempt's number: our claim's fencing token */
+	int32		attempts;		/* this attempt's number */
+	int64		claim;			/* the delivery's claims counter as we claimed it: our
+								 * claim's fencing token (attempts goes back on a
+								 * redrive, this never does) */
 	int64		seq;
 	bool		interrupted;	/* the previous attempt's outcome was never recorded */
 	char	   *topic;
@@ -71,18 +78,39 @@ typedef struct RelayItem
 	bool		chain_held;		/* waits for its predecessor in the batch */
 	int			http_slot;		/* relay_http.c: its request */
 
+	TimestampTz claimed_until;	/* the visibility deadline the claim set */
+	bool		sent;			/* http: its request has started */
+
 	RelayOutcome outcome;
 	int32		status;			/* HTTP status, 0 if none */
 	char	   *error;			/* why it failed */
 	TimestampTz finished_at;
 } RelayItem;
 
+/*
+ * How a pass keeps its claims hidden from other relays while it runs.  A
+ * claim hides a delivery for a window sized for the pass's waves of HTTP
+ * requests; a pass that runs longer (a key's chain of webhooks goes out one
+ * after the other) renews its claims before half the window has gone.  Only
+ * a pass that committed its claims renews them: in the caller's transaction
+ * (idem_outbox_relay) the claimed rows stay locked until it ends.
+ */
+typedef struct RelayLease
+{
+	bool		renewable;		/* the claims are committed */
+	int64		window_us;		/* how long a claim or a renewal hides them */
+	TimestampTz renew_at;		/* when to renew them next */
+} RelayLease;
+
 /* relay.c */
 extern void relay_release_chain(RelayItem *it);
+extern void relay_renew_claims(RelayItem **items, int n, RelayLease *lease);
 
 /* relay_http.c */
 extern const char *http_check_url(const char *url);
+extern const char *http_check_url_host(const char *url);
+extern int	http_max_in_flight(void);
 extern bytea *http_decode_secret(const char *secret);
-extern void http_deliver(RelayItem **items, int nitems);
+extern void http_deliver(RelayItem **items, int nitems, RelayLease *lease);
 
 #endif							/* IDEM_RELAY_HTTP_H */

@@ -102,6 +102,13 @@
  */
 #define RELAY_MIN_NAP_MS		1000
 
+/*
+ * After an error, the relay waits this long before its next pass, twice as
+ * long after each further error in a row, up to RELAY_MAX_BACKOFF_MS.
+ */
+#define RELAY_MIN_BACKOFF_MS	1000
+#define RELAY_MAX_BACKOFF_MS	60000
+
 int			idem_cleanup_interval = 60;
 int			idem_cleanup_batch_size = 1000;
 int			idem_cleanup_delay = 10;
@@ -757,8 +764,32 @@ worker_pass(void)
 static TimestampTz
 worker_relay(bool *more)
 {
+	static bool read_only_logged = false;
 	TimestampTz start = GetCurrentTimestamp();
 	int64		attempted;
+
+	/*
+	 * A server made read-only on purpose gets no writes from us either (a
+	 * claim is an UPDATE); the reload that ends it wakes us.
+	 */
+	*more = false;
+	if (DefaultXactReadOnly)
+	{
+		if (!read_only_logged)
+			ereport(LOG,
+					(errmsg("idempotency relay of database \"%s\" is paused: default_transaction_read_only is on",
+							worker_dbname),
+					 errdetail("Events are delivered again once it is off.")));
+		read_only_logged = true;
+		return 0;
+	}
+	if (read_only_logged)
+	{
+		ereport(LOG,
+				(errmsg("idempotency relay of database \"%s\" resumes: default_transaction_read_only is off",
+						worker_dbname)));
+		read_only_logged = false;
+	}
 
 	while ((attempted = relay_run(relay_batch_size)) > 0)
 	{
@@ -773,20 +804,56 @@ worker_relay(bool *more)
 			return GetCurrentTimestamp();
 		}
 	}
-	*more = false;
 	return relay_next_due();
+}
+
+/* What a slice of relaying found out, for the worker's loop. */
+typedef struct RelaySlice
+{
+	TimestampTz due;			/* when the relay next has work, or 0 */
+	bool		more;			/* the slice ran out with work left */
+} RelaySlice;
+
+/* worker_relay, for bgworker_run_guarded. */
+static void
+worker_relay_slice(void *arg)
+{
+	RelaySlice *slice = arg;
+
+	slice->due = worker_relay(&slice->more);
+}
+
+/* A cleanup pass over the records and the inbox, for bgworker_run_guarded. */
+static void
+worker_cleanup_records(void *arg)
+{
+	worker_pass();
+}
+
+/* Outbox retention, for bgworker_run_guarded. */
+static void
+worker_cleanup_outbox(void *arg)
+{
+	(void) outbox_cleanup(idem_cleanup_batch_size);
 }
 
 /*
  * Main function of a per-database cleanup worker: a pass at start, then one
- * every idempotency.cleanup_interval.  It never holds a transaction open
- * while it sleeps.
+ * every idempotency.cleanup_interval, and the outbox relay in between.  It
+ * never holds a transaction open while it sleeps.  An error of a relay
+ * slice or of a cleanup pass is logged and ends only that piece of work
+ * (bgworker_run_guarded); the relay then backs off, from a second up to a
+ * minute, and cleanup waits for its next interval.
  */
 void
 idem_worker_main(Datum main_arg)
 {
 	Oid			dbid = DatumGetObjectId(main_arg);
 	TimestampTz last_pass = 0;
+	TimestampTz relay_retry_at = 0;
+	int			relay_errors = 0;
+	char		relay_context[NAMEDATALEN + 64];
+	char		cleanup_context[NAMEDATALEN + 64];
 	int			registered;
 
 	pqsignal(SIGHUP, SignalHandlerForConfigReload);
@@ -800,6 +867,11 @@ idem_worker_main(Datum main_arg)
 	/* Our transactions are short and never wait: keep them plain. */
 	SetConfigOption("default_transaction_isolation", "read committed",
 					PGC_SUSET, PGC_S_OVERRIDE);
+
+	snprintf(relay_context, sizeof(relay_context),
+			 "idempotency relay of database \"%s\"", worker_dbname);
+	snprintf(cleanup_context, sizeof(cleanup_context),
+			 "idempotency cleanup of database \"%s\"", worker_dbname);
 
 	registered = idem_stats_register_worker();
 	if (registered != 0 && registered != MyProcPid)
@@ -827,7 +899,29 @@ idem_worker_main(Datum main_arg)
 
 		/* The outbox first: a publishing commit set our latch. */
 		if (!RecoveryInProgress())
-			relay_due = worker_relay(&relay_more);
+		{
+			RelaySlice	slice = {0, false};
+
+			if (GetCurrentTimestamp() < relay_retry_at)
+				relay_due = relay_retry_at; /* backing off after an error */
+			else if (bgworker_run_guarded(relay_context, worker_relay_slice, &slice))
+			{
+				relay_errors = 0;
+				relay_due = slice.due;
+				relay_more = slice.more;
+			}
+			else
+			{
+				int64		backoff = RELAY_MIN_BACKOFF_MS;
+
+				for (int i = 0; i < relay_errors && backoff < RELAY_MAX_BACKOFF_MS; i++)
+					backoff *= 2;
+				relay_errors++;
+				relay_retry_at = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
+															 Min(backoff, RELAY_MAX_BACKOFF_MS));
+				relay_due = relay_retry_at;
+			}
+		}
 
 		now = GetCurrentTimestamp();
 		next = TimestampTzPlusMilliseconds(last_pass, (int64) idem_cleanup_interval * 1000);
@@ -838,8 +932,8 @@ idem_worker_main(Datum main_arg)
 				elog(DEBUG1, "idempotency cleanup skipped: recovery is in progress");
 			else
 			{
-				worker_pass();
-				(void) outbox_cleanup(idem_cleanup_batch_size);
+				(void) bgworker_run_guarded(cleanup_context, worker_cleanup_records, NULL);
+				(void) bgworker_run_guarded(cleanup_context, worker_cleanup_outbox, NULL);
 			}
 			continue;
 		}

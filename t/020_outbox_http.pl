@@ -36,7 +36,11 @@ my $UNKNOWN_SECRET = 'whsec_dW5rbm93bi10by10aGUtcmVjZWl2ZXItMTIzNA==';
 
 my $node = PostgreSQL::Test::Cluster->new('main');
 $node->init;
-$node->append_conf('postgresql.conf', "shared_preload_libraries = 'idempotency'");
+# The sink listens on loopback, which the relay refuses unless allowed.
+$node->append_conf('postgresql.conf', q{
+shared_preload_libraries = 'idempotency'
+idempotency.relay_allowed_networks = '127.0.0.1'
+});
 $node->start;
 $node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
 

@@ -30,8 +30,12 @@ my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
 
 my $node = PostgreSQL::Test::Cluster->new('main');
 $node->init;
-$node->append_conf('postgresql.conf',
-	"shared_preload_libraries = 'idempotency'\nrestart_after_crash = on");
+# The sink listens on loopback, which the relay refuses unless allowed.
+$node->append_conf('postgresql.conf', q{
+shared_preload_libraries = 'idempotency'
+restart_after_crash = on
+idempotency.relay_allowed_networks = '127.0.0.1'
+});
 $node->start;
 $node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
 

@@ -11,6 +11,9 @@
 # A session that LISTENs on a 'notify' destination's channel receives small
 # events as their envelope and events too large for NOTIFY as a reference,
 # which it reads back with idem_outbox_event().
+#
+# A transaction that keeps a key's publishing lock holds the other
+# publishers of that key for idempotency.wait_timeout at most.
 use strict;
 use warnings;
 
@@ -29,7 +32,11 @@ my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
 
 my $node = PostgreSQL::Test::Cluster->new('main');
 $node->init;
-$node->append_conf('postgresql.conf', "shared_preload_libraries = 'idempotency'");
+# The sink listens on loopback, which the relay refuses unless allowed.
+$node->append_conf('postgresql.conf', q{
+shared_preload_libraries = 'idempotency'
+idempotency.relay_allowed_networks = '127.0.0.1'
+});
 $node->start;
 $node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
 
@@ -169,6 +176,41 @@ ok($payloads[1]{reference} && !exists $payloads[1]{payload}, 'as a reference, wi
 is( $listener->query_safe("SELECT length(idem_outbox_event('$payloads[1]{id}')->'payload'->>'blob')"),
 	'20000', 'which the consumer reads back in full');
 $listener->quit;
+
+# ---- Per-key order costs publishers of a key a wait for one another; a
+# transaction that keeps the key's publishing lock (any role can publish)
+# holds the others for at most idempotency.wait_timeout (or lock_timeout,
+# if shorter), then they fail with 55P03 and a hint.
+my $holder = $node->background_psql('postgres');
+$holder->query_safe(q{BEGIN; SELECT idem_publish('shop.held', '{}', 'held-key')});
+my ($timed_out, $stdout, $stderr);
+my $ret = $node->psql('postgres', q{
+	\set VERBOSITY verbose
+	SET idempotency.wait_timeout = '200ms';
+	SELECT idem_publish('shop.held', '{"n": 2}', 'held-key');},
+	stdout => \$stdout, stderr => \$stderr,
+	timeout => $PostgreSQL::Test::Utils::timeout_default, timed_out => \$timed_out);
+ok(!$timed_out, 'a publisher of the same key does not wait as long as the holder stays open');
+isnt($ret, 0, 'it fails');
+like($stderr, qr/ERROR:  55P03: could not lock event key "held-key" for publishing/, 'with 55P03');
+like($stderr, qr/DETAIL:  Another transaction has held it for longer than idempotency\.wait_timeout \(200 ms\)\./,
+	'saying why');
+like($stderr, qr/HINT:  Retry once that transaction has ended\./, 'and what to do');
+$ret = $node->psql('postgres', q{
+	\set VERBOSITY verbose
+	SET idempotency.wait_timeout = '10s';
+	SET lock_timeout = '100ms';
+	SELECT idem_publish('shop.held', '{"n": 3}', 'held-key');},
+	stdout => \$stdout, stderr => \$stderr,
+	timeout => $PostgreSQL::Test::Utils::timeout_default, timed_out => \$timed_out);
+like($stderr, qr/ERROR:  55P03: canceling statement due to lock timeout/,
+	'a shorter lock_timeout of the waiter applies as usual');
+is($node->safe_psql('postgres', q{SELECT idem_publish('shop.free', '{}', 'other-key') IS NOT NULL}),
+	't', 'publishers of other keys are not held up');
+$holder->query_safe('COMMIT');
+$holder->quit;
+is($node->safe_psql('postgres', q{SELECT idem_publish('shop.held', '{"n": 4}', 'held-key') IS NOT NULL}),
+	't', 'once the holder has committed, the key is free');
 
 $sink->stop;
 $node->stop;

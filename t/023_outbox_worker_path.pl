@@ -38,6 +38,8 @@ shared_preload_libraries = 'idempotency'
 restart_after_crash = on
 idempotency.relay_max_in_flight = 10
 idempotency.relay_visibility_margin = '1s'
+# the sink listens on loopback, which the relay refuses unless allowed
+idempotency.relay_allowed_networks = '127.0.0.1'
 });
 $node->start;
 $node->safe_psql('postgres', q{
@@ -173,6 +175,55 @@ is( $node->safe_psql('postgres', q{
 		SELECT count(*) || ' ' || count(DISTINCT event_id) FROM fsink
 		 WHERE event_id IN (SELECT event_id FROM idempotency.outbox WHERE topic = 'fn.z')}),
 	'20 20', 'exactly once each');
+
+# ---- A relay that lost its claim long ago cannot record over a redriven
+# delivery.  Relay A sends an event and stalls (SIGSTOP) past its deadline;
+# relay B takes the delivery over and dead-letters it (max_attempts 2); it
+# is redriven, and relay C's attempt fails with 502.  The attempt count went
+# back to 0 and up to 1 again, A's number: only a claim counter that never
+# goes back tells that A's claim is no longer current.  When A resumes, its
+# outcome must not be recorded, nor its claim renewed.
+$sink->clear_log;
+$sink->set_mode('sleep 2 500');
+$node->safe_psql('postgres', sprintf(q{
+	SELECT idem_destination_create('aba', 'http', '%s', '{aba.*}',
+		jsonb_build_object('secret', '%s', 'timeout', '3s', 'max_attempts', 2,
+		                   'backoff_base', '1ms', 'backoff_cap', '1ms'));}, $sink->url, $SECRET));
+my $aba = $node->safe_psql('postgres', q{SELECT idem_publish('aba.x', '{}')});
+my $relay_a = $node->background_psql('postgres', on_error_stop => 0);
+$relay_a->query_until(qr/relaying/, "\\echo relaying\nSELECT idem_relay_harness(1, 1);\n");
+$deadline = time() + 60;
+sleep 0.05 while time() < $deadline && !grep { $_->{what} eq 'received' && $_->{id} eq $aba } $sink->entries;
+my $a_pid = $node->safe_psql('postgres',
+	"SELECT pid FROM pg_stat_activity WHERE backend_type = 'idempotency relay harness'");
+ok($a_pid && kill('STOP', $a_pid), 'relay A sent its request and is stalled');
+$node->poll_query_until('postgres', qq{
+	SELECT next_attempt_at < now() FROM idempotency.deliveries WHERE event_id = '$aba'})
+  or die 'the claim of relay A never expired';
+$sink->set_mode('500');
+is($node->safe_psql('postgres', 'SELECT idem_outbox_relay(1)'), '1', 'relay B takes the delivery over');
+is($node->safe_psql('postgres', qq{SELECT state || ' ' || attempts FROM idempotency.deliveries WHERE event_id = '$aba'}),
+	'dead 2', 'and dead-letters it at its second attempt');
+is($node->safe_psql('postgres', qq{SELECT idem_outbox_redrive('$aba')}), '1', 'redriven');
+$sink->set_mode('502');
+is($node->safe_psql('postgres', 'SELECT idem_outbox_relay(1)'), '1', 'relay C attempts it');
+is( $node->safe_psql('postgres', qq{
+		SELECT state || ' ' || attempts || ' ' || last_status FROM idempotency.deliveries WHERE event_id = '$aba'}),
+	'pending 1 502', 'and fails: attempt 1 again, the attempt number relay A holds');
+$node->safe_psql('postgres', q{SELECT idem_destination_pause('aba')});
+kill 'CONT', $a_pid;
+$node->poll_query_until('postgres', q{
+	SELECT count(*) = 0 FROM pg_stat_activity WHERE backend_type = 'idempotency relay harness'})
+  or die 'relay A did not finish';
+$relay_a->quit;
+is( $node->safe_psql('postgres', qq{
+		SELECT state || ' ' || attempts || ' ' || last_status || ' ' || last_error
+		  FROM idempotency.deliveries WHERE event_id = '$aba'}),
+	'pending 1 502 HTTP status 502', "relay A's late outcome is not recorded over relay C's");
+is( $node->safe_psql('postgres', qq{
+		SELECT retried || ' ' || dead_lettered FROM idem_outbox_stats WHERE destination = 'aba'}),
+	'1 1', 'nor counted');
+$node->safe_psql('postgres', q{SELECT idem_destination_drop('aba')});
 
 # ---- A session holding a lock the relay would wait for: the pass is skipped.
 $node->safe_psql('postgres', q{SELECT idem_publish('fn.locked', '{}')});

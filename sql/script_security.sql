@@ -747,7 +747,7 @@ BEGIN
 	PERFORM idem_destination_pause('sec-notify');
 	PERFORM idem_destination_resume('sec-notify');
 	-- never attempted: paused from the start
-	PERFORM idem_destination_create('sec-http', 'http', 'http://127.0.0.1:9/hook', '{sec.*}',
+	PERFORM idem_destination_create('sec-http', 'http', 'https://example.com/hook', '{sec.*}',
 									'{"secret": "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
 									  "headers": {"X-Tenant": "t1"}}'::jsonb);
 	PERFORM idem_destination_pause('sec-http');

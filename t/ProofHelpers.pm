@@ -37,6 +37,7 @@ sub node_conf
 	return <<'EOF';
 shared_preload_libraries = 'idempotency'
 restart_after_crash = on
+idempotency.relay_allowed_networks = '127.0.0.1'
 EOF
 }
 

@@ -116,7 +116,7 @@ OutboxInit(void)
 							"Most deliveries the relay claims in one pass.",
 							NULL,
 							&relay_batch_size,
-							1000, 1, 100000,
+							1000, 1, RELAY_MAX_BATCH,
 							PGC_SUSET, 0,
 							NULL, NULL, NULL);
 	DefineCustomIntVariable("idempotency.relay_max_in_flight",

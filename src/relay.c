@@ -1289,10 +1289,11 @@ relay_pass(int max_events)
 	MemoryContext passcxt;
 	volatile int64 attempted = 0;
 
-	if (max_events < 1)
+	if (max_events < 1 || max_events > RELAY_MAX_BATCH)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("max_events must be at least 1")));
+				 errmsg("max_events must be between 1 and %d", RELAY_MAX_BATCH),
+				 errdetail("The max_events given was %d.", max_events)));
 	if (relay_pass_running)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),

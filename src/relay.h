@@ -40,6 +40,9 @@ extern int64 relay_run(int max_events);
  * piece at work; a terminate (pg_terminate_backend, FATAL) still ends the
  * process.  Called outside any transaction.
  */
+/* Most deliveries one pass may claim: idempotency.relay_batch_size and idem_outbox_relay's bound. */
+#define RELAY_MAX_BATCH		100000
+
 extern bool bgworker_run_guarded(const char *what, void (*unit) (void *arg), void *arg);
 
 /*

@@ -93,6 +93,13 @@
 /* The launcher's longest sleep; worker exits wake it earlier. */
 #define LAUNCHER_NAP_MS			10000
 
+/*
+ * How soon a worker looks again for an extension that was not installed (or
+ * older than the library), so that cleanup starts soon after CREATE (or
+ * ALTER) EXTENSION, whatever cleanup_interval is.
+ */
+#define EXTENSION_RECHECK_MS	5000
+
 /* The relay's share of the worker before cleanup gets a turn. */
 #define RELAY_SLICE_MS			1000
 
@@ -690,21 +697,23 @@ worker_batch(CleanupTarget *target, CleanupPass *pass, bool first)
  * One pass over this database: every table, batch after batch, until each
  * has been walked to its end or the worker is asked to stop (SIGTERM ends
  * the process at the next CHECK_FOR_INTERRUPTS, rolling back the batch).
+ * Returns false, without a pass, when the extension is not installed here
+ * in the library's version, so that the worker looks again soon.
  */
-static void
+static bool
 worker_pass(void)
 {
 	static int64 processing_logged = 0;
 	CleanupPass pass;
 
 	if (!worker_extension_present())
-		return;
+		return false;
 	/* A server made read-only on purpose gets no writes from us either. */
 	if (DefaultXactReadOnly)
 	{
 		elog(DEBUG1, "idempotency cleanup of database \"%s\" skipped: default_transaction_read_only is on",
 			 worker_dbname);
-		return;
+		return true;
 	}
 
 	memset(&pass, 0, sizeof(pass));
@@ -725,7 +734,7 @@ worker_pass(void)
 				elog(DEBUG1, "idempotency cleanup of database \"%s\" ends early: idempotency.%s is %s",
 					 worker_dbname, target->relname,
 					 result == BATCH_BUSY ? "locked" : "gone");
-				return;
+				return true;
 			}
 			first = false;
 			/* Pace the pass, outside any transaction; SIGTERM cuts the pause short. */
@@ -753,6 +762,7 @@ worker_pass(void)
 					 errdetail("Cleanup leaves them in place: an operation that never finished needs a look.")));
 		processing_logged = pass.processing;
 	}
+	return true;
 }
 
 /*
@@ -823,11 +833,14 @@ worker_relay_slice(void *arg)
 	slice->due = worker_relay(&slice->more);
 }
 
-/* A cleanup pass over the records and the inbox, for bgworker_run_guarded. */
+/*
+ * A cleanup pass over the records and the inbox, for bgworker_run_guarded;
+ * *arg (a bool) becomes false when the extension was not there to clean.
+ */
 static void
 worker_cleanup_records(void *arg)
 {
-	worker_pass();
+	*(bool *) arg = worker_pass();
 }
 
 /* Outbox retention, for bgworker_run_guarded. */
@@ -850,6 +863,7 @@ idem_worker_main(Datum main_arg)
 {
 	Oid			dbid = DatumGetObjectId(main_arg);
 	TimestampTz last_pass = 0;
+	TimestampTz recheck_at = 0;	/* look for the extension again, if set */
 	TimestampTz relay_retry_at = 0;
 	int			relay_errors = 0;
 	char		relay_context[NAMEDATALEN + 64];
@@ -925,15 +939,23 @@ idem_worker_main(Datum main_arg)
 
 		now = GetCurrentTimestamp();
 		next = TimestampTzPlusMilliseconds(last_pass, (int64) idem_cleanup_interval * 1000);
+		if (recheck_at != 0 && recheck_at < next)
+			next = recheck_at;
 		if (last_pass == 0 || now >= next)
 		{
+			bool		present = true;
+
 			last_pass = now;
+			recheck_at = 0;
 			if (RecoveryInProgress())
 				elog(DEBUG1, "idempotency cleanup skipped: recovery is in progress");
 			else
 			{
-				(void) bgworker_run_guarded(cleanup_context, worker_cleanup_records, NULL);
-				(void) bgworker_run_guarded(cleanup_context, worker_cleanup_outbox, NULL);
+				(void) bgworker_run_guarded(cleanup_context, worker_cleanup_records, &present);
+				if (present)
+					(void) bgworker_run_guarded(cleanup_context, worker_cleanup_outbox, NULL);
+				else
+					recheck_at = TimestampTzPlusMilliseconds(now, EXTENSION_RECHECK_MS);
 			}
 			continue;
 		}

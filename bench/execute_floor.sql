@@ -1,3 +1,3 @@
 -- execute, FLOOR: the record insert and the domain insert as one statement.
 \set n random(1, 1000000000000000)
-WITH r AS (INSERT INTO floor_records VALUES ('bench:POST /orders', 'e:client_id-:n', 'completed', '\x9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08', 201, '{"Location": "/orders/1"}', '{"order_id": 1}', 1, NULL, NULL, now(), now(), now() + interval '1 day', now(), current_user::regrole)) INSERT INTO bench_orders (key, amount) VALUES ('e:client_id-:n', 42);
+WITH r AS (INSERT INTO floor_records VALUES ('bench:POST /orders', 'e:client_id-:n', 'completed', '\x9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08', 201, '{"Location": "/orders/1"}', '{"order_id": 1}', 1, NULL, NULL, now(), now(), now() + interval '1 day', now(), '10')) INSERT INTO bench_orders (key, amount) VALUES ('e:client_id-:n', 42);

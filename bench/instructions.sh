@@ -41,7 +41,7 @@ n, work = int(sys.argv[1]), sys.argv[2]
 scope = "bench:POST /orders"
 fp = r"\x9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 record = lambda k: (f"'{scope}', '{k}', 'completed', '{fp}', 201, '{{\"Location\": \"/orders/1\"}}', "
-                    f"'{{\"order_id\": 1}}', 1, NULL, NULL, now(), now(), now() + interval '1 day', now(), current_user::regrole")
+                    f"'{{\"order_id\": 1}}', 1, NULL, NULL, now(), now(), now() + interval '1 day', now(), '10'")
 request = lambda k: f"'{{\"amount\": 42, \"key\": \"{k}\"}}'"
 scripts = {
     "create_ours": lambda k: ["BEGIN;",

@@ -786,33 +786,38 @@ claim_decide(text *scope, text *key, bytea *fingerprint, int64 ttl,
 		return;
 	}
 
-	rel = records_open(RowExclusiveLock);
-	if (standing == RECORD_TAKEOVER)
-		claim_takeover(rel, scope, key, &rec, now, lease_expires_at, answer);
-	else
+	/* A claim that writes now: a takeover, an expired record, a lease. */
+	if (standing == RECORD_TAKEOVER || found || lease_expires_at != 0)
 	{
-		/* An expired record behaves as if it were gone: remove it for ours. */
-		if (found)
-			records_delete_expired(rel, &rec.tid, Anum_records_scope, scope, key);
-		if (lease_expires_at != 0)
-			claim_multi_phase(rel, scope, key, fingerprint, now, ttl,
-							  lease_expires_at, answer);
+		rel = records_open(RowExclusiveLock);
+		if (standing == RECORD_TAKEOVER)
+			claim_takeover(rel, scope, key, &rec, now, lease_expires_at, answer);
 		else
 		{
-			entry.scope = scope;
-			entry.key = key;
-			entry.fingerprint = fingerprint;
-			entry.created_at = now;
-			entry.ttl = ttl;
-			entry.owner = GetUserId();
-			entry.token = 1;
-			claim_log_append(&entry, CLAIM_HELD);
-
-			answer->outcome = CLAIM_CLAIMED;
-			answer->token = 1;
+			/* An expired record behaves as if it were gone: remove it for ours. */
+			if (found)
+				records_delete_expired(rel, &rec.tid, Anum_records_scope, scope, key);
+			if (lease_expires_at != 0)
+				claim_multi_phase(rel, scope, key, fingerprint, now, ttl,
+								  lease_expires_at, answer);
 		}
+		table_close(rel, NoLock);
+		if (standing == RECORD_TAKEOVER || lease_expires_at != 0)
+			return;
 	}
-	table_close(rel, NoLock);
+
+	/* A claim that completes in this transaction writes at idem_succeed. */
+	entry.scope = scope;
+	entry.key = key;
+	entry.fingerprint = fingerprint;
+	entry.created_at = now;
+	entry.ttl = ttl;
+	entry.owner = GetUserId();
+	entry.token = 1;
+	claim_log_append(&entry, CLAIM_HELD);
+
+	answer->outcome = CLAIM_CLAIMED;
+	answer->token = 1;
 }
 
 /*

@@ -54,6 +54,7 @@
 #include "utils/snapmgr.h"
 
 #include "claims.h"
+#include "compat.h"
 #include "fingerprint.h"
 #include "lockhash.h"
 #include "stats.h"
@@ -499,7 +500,7 @@ claim_lock_try(const LOCKTAG *tag, bool *already_held, ResourceOwner *owner)
 {
 	LockAcquireResult res;
 
-	res = LockAcquireExtended(tag, ExclusiveLock, false, true, true, NULL);
+	res = LockAcquireExtended(tag, ExclusiveLock, false, true, true, NULL, false);
 	*already_held = (res == LOCKACQUIRE_ALREADY_HELD ||
 					 res == LOCKACQUIRE_ALREADY_CLEAR);
 	*owner = CurrentResourceOwner;

@@ -38,6 +38,7 @@
 #include "utils/regproc.h"
 #include "utils/syscache.h"
 
+#include "compat.h"
 #include "outbox.h"
 #include "relay_http.h"
 
@@ -199,7 +200,7 @@ dest_check_secret(const char *s, int len)
 	int			prefix = strlen(SECRET_PREFIX);
 	const char *b64;
 	int			b64len;
-	char	   *decoded;
+	uint8	   *decoded;
 	int			n;
 
 	if (len <= prefix || strncmp(s, SECRET_PREFIX, prefix) != 0)
@@ -215,7 +216,7 @@ dest_check_secret(const char *s, int len)
 			ereport(ERROR,
 					(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 					 errmsg("a webhook secret is not valid base64 after \"%s\"", SECRET_PREFIX)));
-	decoded = palloc(pg_b64_dec_len(b64len) + 1);
+	decoded = (uint8 *) palloc(pg_b64_dec_len(b64len) + 1);
 	n = pg_b64_decode(b64, b64len, decoded, pg_b64_dec_len(b64len) + 1);
 	pfree(decoded);
 	if (n < 0)
@@ -447,7 +448,7 @@ dest_check_target(DestKind kind, const char *target, Oid *func)
 							(errcode(ERRCODE_WRONG_OBJECT_TYPE),
 							 errmsg("function %s cannot be a destination", format_procedure(oid)),
 							 errdetail("A destination function takes one jsonb argument (the event) and returns a single value, which is ignored.")));
-				if (pg_proc_aclcheck(oid, GetUserId(), ACL_EXECUTE) != ACLCHECK_OK)
+				if (object_aclcheck(ProcedureRelationId, oid, GetUserId(), ACL_EXECUTE) != ACLCHECK_OK)
 					ereport(ERROR,
 							(errcode(ERRCODE_INSUFFICIENT_PRIVILEGE),
 							 errmsg("permission denied for function %s", format_procedure(oid)),

@@ -32,6 +32,7 @@
 #include "utils/syscache.h"
 
 #include "claims.h"
+#include "compat.h"
 #include "fingerprint.h"
 
 /* Per-call-site state kept in fn_extra: the checked handler and our result type. */
@@ -208,7 +209,7 @@ idem_execute(PG_FUNCTION_ARGS)
 	ttl = claim_ttl(fcinfo, 4, now);
 
 	cache = execute_cache(fcinfo, handler);
-	aclresult = pg_proc_aclcheck(handler, GetUserId(), ACL_EXECUTE);
+	aclresult = object_aclcheck(ProcedureRelationId, handler, GetUserId(), ACL_EXECUTE);
 	if (aclresult != ACLCHECK_OK)
 		aclcheck_error(aclresult, OBJECT_FUNCTION, get_func_name(handler));
 

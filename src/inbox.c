@@ -152,7 +152,7 @@ inbox_insert(Relation rel, text *source, text *message_id,
 
 	tuple = heap_form_tuple(RelationGetDescr(rel), values, nulls);
 	simple_heap_insert(rel, tuple);
-	records_index_insert(rel, tuple);
+	records_index_insert(rel, tuple, false);
 	heap_freetuple(tuple);
 
 	/* Make the mark visible to the rest of this transaction. */

@@ -53,6 +53,7 @@
 #include "utils/syscache.h"
 
 #include "claims.h"
+#include "compat.h"
 #include "lockhash.h"
 #include "outbox.h"
 #include "records.h"
@@ -415,7 +416,7 @@ writer_insert(OutboxWriter *w, Datum *values, bool *nulls)
 	simple_table_tuple_insert(w->rel, slot);
 	if (w->rri->ri_NumIndices > 0)
 		list_free(ExecInsertIndexTuples(w->rri, slot, w->estate,
-										false, false, NULL, NIL));
+										false, false, NULL, NIL, false));
 	ResetPerTupleExprContext(w->estate);
 }
 

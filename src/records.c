@@ -56,6 +56,7 @@
 #include "utils/lsyscache.h"
 #include "utils/snapmgr.h"
 
+#include "compat.h"
 #include "records.h"
 #include "stats.h"
 
@@ -344,21 +345,25 @@ records_lookup(Relation rel, Relation pkey, Snapshot snapshot, text *scope,
 }
 
 /*
- * Insert into every index of rel, as CatalogIndexInsert does.  Only plain
+ * Insert into every index of rel (with only_summarizing, into its BRIN
+ * indexes only: after a HOT update), as CatalogIndexInsert does.  Only plain
  * column indexes can be maintained without an executor state, so an index a
  * DBA added with expressions or a predicate is refused rather than corrupted.
  * The inbox (inbox.c) maintains its table's indexes with this too.
  */
 void
-records_index_insert(Relation rel, HeapTuple tuple)
+records_index_insert(Relation rel, HeapTuple tuple, bool only_summarizing)
 {
 	CatalogIndexState indstate;
 	TupleTableSlot *slot;
 	Datum		values[INDEX_MAX_KEYS];
 	bool		isnull[INDEX_MAX_KEYS];
 
-	/* A HOT update needs no new index entries. */
-	if (HeapTupleIsHeapOnly(tuple))
+	/*
+	 * A HOT update needs no new index entries, except in summarizing (BRIN)
+	 * indexes when it changed one of their columns (PostgreSQL 16+).
+	 */
+	if (HeapTupleIsHeapOnly(tuple) && !only_summarizing)
 		return;
 
 	indstate = CatalogOpenIndexes(rel);
@@ -371,6 +376,8 @@ records_index_insert(Relation rel, HeapTuple tuple)
 		IndexInfo  *info = indstate->ri_IndexRelationInfo[i];
 
 		if (!info->ii_ReadyForInserts)
+			continue;
+		if (only_summarizing && !IndexInfoIsSummarizing(info))
 			continue;
 		if (info->ii_Expressions != NIL || info->ii_Predicate != NIL ||
 			info->ii_ExclusionOps != NULL || !index->rd_index->indimmediate)
@@ -438,7 +445,7 @@ records_insert(Relation rel, text *scope, text *key, const IdemRecord *rec)
 	HeapTuple	tuple = record_form_tuple(rel, scope, key, rec);
 
 	simple_heap_insert(rel, tuple);
-	records_index_insert(rel, tuple);
+	records_index_insert(rel, tuple, false);
 	heap_freetuple(tuple);
 
 	/* Make the record visible to the rest of this transaction. */
@@ -489,10 +496,12 @@ records_update(Relation rel, text *scope, text *key, const IdemRecord *rec)
 {
 	HeapTuple	tuple = record_form_tuple(rel, scope, key, rec);
 	ItemPointerData otid = rec->tid;
+	TU_UpdateIndexes update_indexes;
 
 	records_check_tid(rel, &otid, Anum_records_scope, scope, key);
-	simple_heap_update(rel, &otid, tuple);
-	records_index_insert(rel, tuple);
+	simple_heap_update(rel, &otid, tuple, &update_indexes);
+	if (update_indexes != TU_None)
+		records_index_insert(rel, tuple, update_indexes == TU_Summarizing);
 	heap_freetuple(tuple);
 	CommandCounterIncrement();
 }
@@ -532,7 +541,7 @@ records_audit(const char *action, text *scope, text *key, int64 token_before,
 
 	tuple = heap_form_tuple(RelationGetDescr(rel), values, nulls);
 	simple_heap_insert(rel, tuple);
-	records_index_insert(rel, tuple);
+	records_index_insert(rel, tuple, false);
 	heap_freetuple(tuple);
 	table_close(rel, NoLock);
 	CommandCounterIncrement();

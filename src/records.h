@@ -18,6 +18,8 @@
 #include "utils/snapshot.h"
 #include "utils/timestamp.h"
 
+#include "compat.h"
+
 /* Column numbers of idempotency.records, in the order the install script declares them. */
 #define Anum_records_scope				1
 #define Anum_records_key				2
@@ -94,7 +96,7 @@ extern void idem_relcache_register(IdemRelCache *cache);
 extern bool idem_relcache_resolve(IdemRelCache *cache);
 
 extern void RecordsInit(void);
-extern void idem_report_missing(const char *relname) pg_attribute_noreturn();
+pg_noreturn extern void idem_report_missing(const char *relname);
 extern void records_check_columns(Relation rel, int natts);
 extern Relation records_open(LOCKMODE lockmode);
 extern Relation records_open_pkey(void);
@@ -111,11 +113,12 @@ extern void records_check_tid(Relation rel, ItemPointer tid, AttrNumber scope_at
 							  text *scope, text *key);
 extern void records_delete_expired(Relation rel, ItemPointer tid,
 								   AttrNumber scope_attnum, text *scope, text *key);
-extern void records_index_insert(Relation rel, HeapTuple tuple);
+extern void records_index_insert(Relation rel, HeapTuple tuple,
+								 bool only_summarizing);
 extern int64 records_next_token(void);
 
 extern bool idem_role_may_use(Oid owner);
-extern void records_deny(text *scope, text *key) pg_attribute_noreturn();
+pg_noreturn extern void records_deny(text *scope, text *key);
 extern TimestampTz idem_timestamp_add(TimestampTz t, int64 usecs, const char *what);
 
 #endif							/* IDEM_RECORDS_H */

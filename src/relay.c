@@ -61,6 +61,7 @@
 #include "postgres.h"
 
 #include <math.h>
+#include <signal.h>
 
 #include "access/xact.h"
 #include "catalog/pg_proc.h"
@@ -86,6 +87,7 @@
 #include "utils/uuid.h"
 
 #include "claims.h"
+#include "compat.h"
 #include "outbox.h"
 #include "relay.h"
 #include "relay_http.h"
@@ -120,10 +122,13 @@ static bool relay_pass_running = false;
  * destination functions run, SIGINT (pg_cancel_backend, or the caller's
  * statement_timeout) goes through relay_sigint_handler, which notes that
  * the cancel is real; the function timeout's handler notes that it fired.
+ * The handler is installed with sigaction(), not pqsignal(): PostgreSQL 18's
+ * pqsignal no longer returns the handler it replaces, and from 17 on the
+ * handler it installs is a wrapper that calls the one registered with it.
  */
 static volatile sig_atomic_t relay_cancel_requested = false;
 static volatile sig_atomic_t relay_timeout_fired = false;
-static pqsigfunc relay_saved_sigint = NULL;
+static struct sigaction relay_saved_sigint;
 static bool relay_sigint_installed = false;
 static bool relay_timeout_registered = false;
 static TimeoutId relay_timeout_id;
@@ -921,22 +926,30 @@ relay_notify(RelayItem *it)
 
 /* SIGINT while destination functions run: the cancel is real; then what the process does. */
 static void
-relay_sigint_handler(SIGNAL_ARGS)
+relay_sigint_handler(int signo)
 {
 	relay_cancel_requested = true;
-	if (relay_saved_sigint != SIG_IGN && relay_saved_sigint != SIG_DFL &&
-		relay_saved_sigint != SIG_ERR && relay_saved_sigint != NULL)
-		(*relay_saved_sigint) (postgres_signal_arg);
+	if (relay_saved_sigint.sa_handler != SIG_IGN &&
+		relay_saved_sigint.sa_handler != SIG_DFL &&
+		relay_saved_sigint.sa_handler != NULL)
+		(*relay_saved_sigint.sa_handler) (signo);
 }
 
 /* Route SIGINT through relay_sigint_handler while destination functions run. */
 static void
 relay_watch_cancel(void)
 {
+	struct sigaction act;
+
 	if (relay_sigint_installed)
 		return;
 	relay_cancel_requested = false;
-	relay_saved_sigint = pqsignal(SIGINT, relay_sigint_handler);
+	memset(&act, 0, sizeof(act));
+	act.sa_handler = relay_sigint_handler;
+	sigemptyset(&act.sa_mask);
+	act.sa_flags = SA_RESTART;
+	if (sigaction(SIGINT, &act, &relay_saved_sigint) < 0)
+		elog(ERROR, "could not install a SIGINT handler: %m");
 	relay_sigint_installed = true;
 }
 
@@ -946,7 +959,7 @@ relay_unwatch_cancel(void)
 {
 	if (!relay_sigint_installed)
 		return;
-	pqsignal(SIGINT, relay_saved_sigint);
+	(void) sigaction(SIGINT, &relay_saved_sigint, NULL);
 	relay_sigint_installed = false;
 }
 
@@ -1003,7 +1016,7 @@ relay_call_function(RelayItem *it, MemoryContext cxt)
 			ereport(ERROR,
 					(errcode(ERRCODE_UNDEFINED_OBJECT),
 					 errmsg("the role that created destination \"%s\" no longer exists", d->name)));
-		if (pg_proc_aclcheck(d->func, d->run_as, ACL_EXECUTE) != ACLCHECK_OK)
+		if (object_aclcheck(ProcedureRelationId, d->func, d->run_as, ACL_EXECUTE) != ACLCHECK_OK)
 			ereport(ERROR,
 					(errcode(ERRCODE_INSUFFICIENT_PRIVILEGE),
 					 errmsg("permission denied for function %s", d->target),

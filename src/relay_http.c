@@ -64,6 +64,7 @@
 #include "utils/uuid.h"
 #include "utils/varlena.h"
 
+#include "compat.h"
 #include "outbox.h"
 #include "relay_http.h"
 
@@ -582,7 +583,7 @@ http_decode_secret(const char *secret)
 	int			len = strlen(b64);
 	int			maxlen = pg_b64_dec_len(len);
 	bytea	   *key = palloc(VARHDRSZ + maxlen);
-	int			n = pg_b64_decode(b64, len, VARDATA(key), maxlen);
+	int			n = pg_b64_decode(b64, len, (uint8 *) VARDATA(key), maxlen);
 
 	if (n < 0)
 		elog(ERROR, "invalid webhook secret in an outbox destination");
@@ -674,7 +675,7 @@ http_signature(RelayDest *d, const char *id, const char *timestamp,
 			ereport(ERROR,
 					(errcode(ERRCODE_INTERNAL_ERROR),
 					 errmsg("could not compute a webhook signature")));
-		b64len = pg_b64_encode((const char *) mac, 32, b64, sizeof(b64));
+		b64len = pg_b64_encode(mac, 32, b64, sizeof(b64));
 		if (b64len < 0)
 			elog(ERROR, "could not encode a webhook signature");
 		if (lc != list_head(d->secrets))

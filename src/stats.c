@@ -35,6 +35,7 @@
 #include "utils/syscache.h"
 #include "utils/timestamp.h"
 
+#include "compat.h"
 #include "stats.h"
 
 int			idem_max_databases = 64;
@@ -297,7 +298,7 @@ idem_stats_register_worker(void)
 	if (slot->worker_pid == 0)
 	{
 		slot->worker_pid = MyProcPid;
-		pg_atomic_write_u32(&slot->worker_procno, MyProc->pgprocno + 1);
+		pg_atomic_write_u32(&slot->worker_procno, MyProcNumber + 1);
 	}
 	pid = slot->worker_pid;
 	LWLockRelease(stats->lock);
@@ -322,7 +323,7 @@ idem_stats_wake_worker(void)
 		return;
 	procno = pg_atomic_read_u32(&slot->worker_procno);
 	if (procno != 0)
-		SetLatch(&ProcGlobal->allProcs[procno - 1].procLatch);
+		SetLatch(&GetPGProcByNumber(procno - 1)->procLatch);
 }
 
 /* The PID of the cleanup worker registered for dbid, or 0. */

@@ -6,6 +6,9 @@
 #   N passed, N failed
 # Exit status 0 only when nothing failed.
 #
+# IDEM_INSTALLED=1 tests the extension already installed for this PostgreSQL
+# (by the Debian package, say) instead of building and installing it.
+#
 # Arguments, if any, are extended regular expressions: only the tests whose
 # name (e.g. "claim", "phases_fencing", "t/020_outbox_http.pl") matches one
 # of them run.  For development; CI runs everything.
@@ -21,7 +24,20 @@ top=$(pwd)
 
 idem_install_deps || exit 1
 idem_pg_env
-idem_build_install || { echo "build failed"; echo "0 passed, 1 failed"; exit 1; }
+if [ "${IDEM_INSTALLED:-0}" = 1 ]; then
+	# Test the extension as installed (e.g. from the Debian package):
+	# build nothing, install nothing.
+	installed_lib="$("$PG_CONFIG" --pkglibdir)/idempotency.so"
+	if [ ! -f "$installed_lib" ]; then
+		echo "IDEM_INSTALLED=1 but $installed_lib is not installed"
+		echo "0 passed, 1 failed"
+		exit 1
+	fi
+	echo "testing the installed extension: $installed_lib${IDEM_INSTALLED_FROM:+ (from $IDEM_INSTALLED_FROM)}"
+	sanitize_only_from_source=1
+else
+	idem_build_install || { echo "build failed"; echo "0 passed, 1 failed"; exit 1; }
+fi
 
 # A work directory the server's user can write; results are copied back.
 work=$(mktemp -d /tmp/idempotency-test.XXXXXX)
@@ -48,6 +64,12 @@ select_tests() {
 		done
 	done
 }
+# IDEM_SANITIZE=0 leaves out the sanitizer run (CI does so in its roots of
+# other PostgreSQL versions, where it would double the time).
+# IDEM_INSTALLED=1 leaves it out too: it builds from source.
+if [ "${IDEM_SANITIZE:-1}" = 0 ] || [ -n "${sanitize_only_from_source:-}" ]; then
+	sanitize_tests=
+fi
 filters=("$@")
 if [ ${#filters[@]} -gt 0 ]; then
 	regress_tests=$(select_tests $regress_tests)
@@ -59,12 +81,14 @@ fi
 passed=0
 failed=0
 
-# Count pg_regress-style result lines ("test x ... ok" / "... FAILED").
+# Count pg_regress's result lines: "test x ... ok" / "... FAILED" up to
+# PostgreSQL 15, TAP-style "ok 1 - x" / "not ok 3 - x" (or "+" for a test of
+# a parallel group) from 16 on.
 tally_regress() {
 	local out=$1
 	local ok bad
-	ok=$(grep -cE '^(test | +)[^ ].* \.\.\. ok' "$out")
-	bad=$(grep -cE '\.\.\. FAILED|\.\.\. failed' "$out")
+	ok=$(grep -cE '^(test | +)[^ ].* \.\.\. ok|^ok [0-9]+ +[-+] ' "$out")
+	bad=$(grep -cE '\.\.\. FAILED|\.\.\. failed|^not ok [0-9]+ +[-+] ' "$out")
 	passed=$((passed + ok))
 	failed=$((failed + bad))
 }

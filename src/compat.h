@@ -25,6 +25,7 @@
 #include "storage/lock.h"
 #include "storage/proc.h"
 #include "utils/acl.h"
+#include "utils/guc.h"
 
 #if PG_VERSION_NUM < 150000
 #error "idempotency needs PostgreSQL 15 or later"
@@ -51,6 +52,26 @@ object_aclcheck(Oid classid, Oid objectid, Oid roleid, AclMode mode)
 		elog(ERROR, "object_aclcheck shim supports functions only, not class %u", classid);
 	return pg_proc_aclcheck(objectid, roleid, mode);
 }
+#endif
+
+/*
+ * PostgreSQL 16 keeps GUC values and check hooks' "extra" data in a memory
+ * context: guc_malloc allocates them and the GUC machinery frees them with
+ * pfree.  Before, they were malloc'd and freed with free().
+ */
+#if PG_VERSION_NUM < 160000
+static inline void *
+guc_malloc(int elevel, size_t size)
+{
+	void	   *data = malloc(size);
+
+	if (data == NULL)
+		ereport(elevel,
+				(errcode(ERRCODE_OUT_OF_MEMORY),
+				 errmsg("out of memory")));
+	return data;
+}
+#define guc_free(ptr) free(ptr)
 #endif
 
 /*

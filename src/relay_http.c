@@ -408,15 +408,11 @@ http_check_allowed_networks(char **newval, void **extra, GucSource source)
 		GUC_check_errdetail("List syntax is invalid.");
 		return false;
 	}
-	/* The GUC machinery frees "extra" with free(). */
-	list = malloc(offsetof(HttpAllowlist, nets) +
-				  sizeof(HttpNetwork) * Max(list_length(items), 1));
+	/* The GUC machinery frees "extra" itself: allocate it its way. */
+	list = guc_malloc(LOG, offsetof(HttpAllowlist, nets) +
+					  sizeof(HttpNetwork) * Max(list_length(items), 1));
 	if (list == NULL)
-	{
-		GUC_check_errcode(ERRCODE_OUT_OF_MEMORY);
-		GUC_check_errmsg("out of memory");
 		return false;
-	}
 	foreach(lc, items)
 	{
 		char	   *item = lfirst(lc);
@@ -435,7 +431,7 @@ http_check_allowed_networks(char **newval, void **extra, GucSource source)
 		{
 			GUC_check_errdetail("\"%s\" is not an IP address.", item);
 			GUC_check_errhint("List IP addresses or networks such as 127.0.0.1, 10.0.0.0/8 or fd00::/8; names are not accepted, since the relay checks the address a name resolves to.");
-			free(list);
+			guc_free(list);
 			return false;
 		}
 		maxbits = (net->family == AF_INET) ? 32 : 128;
@@ -449,7 +445,7 @@ http_check_allowed_networks(char **newval, void **extra, GucSource source)
 			{
 				GUC_check_errdetail("\"%s/%s\" has an invalid prefix length: it must be 0 to %d.",
 									item, slash + 1, maxbits);
-				free(list);
+				guc_free(list);
 				return false;
 			}
 			net->bits = (int) bits;

@@ -15,7 +15,7 @@ SHLIB_LINK += -lcrypto -lcurl
 # Test inputs follow the contrib layout: sql/ and expected/ for pg_regress,
 # specs/ for pg_isolation_regress, t/ for TAP.  test/run.sh runs them all on a
 # throwaway cluster; REGRESS and ISOLATION also serve `make installcheck`.
-REGRESS = canonical claim errors commit_guard expiry execute privileges ownership phases contract_tap
+REGRESS = canonical claim errors commit_guard expiry index_maintenance execute privileges ownership phases contract_tap
 # Background worker, inbox and statistics
 REGRESS += inbox stats
 # Transactional outbox and relay

@@ -140,7 +140,8 @@ SELECT idem_succeed('s', 'k-small', 200, jsonb_build_object('blob', repeat('x', 
 ROLLBACK;
 RESET idempotency.max_response_bytes;
 
--- The GUCs validate their own units and limits.
+-- The GUCs validate their own units and limits.  (PostgreSQL 16 and later
+-- print the range with its units: expected/errors_1.out.)
 SET idempotency.wait_timeout = -1;
 \echo :SQLSTATE
 SET idempotency.default_ttl = 0;

@@ -87,6 +87,7 @@ SELECT idem_destination_create('d', 'http', 'http://example.com/a hook');
 \echo :SQLSTATE
 SELECT idem_destination_create('d', 'http', 'http://[::1/hook');
 \echo :SQLSTATE
+-- libcurl's own words (newer versions: expected/outbox_errors_1.out).
 SELECT idem_destination_create('d', 'http', 'http://:80/hook');
 \echo :SQLSTATE
 SELECT idem_destination_create('d', 'notify', 'c', '{}');

@@ -31,11 +31,14 @@ SELECT to_regprocedure('idem_inbox_accept(text, text, interval)') AS inbox_fn,
 ALTER EXTENSION idempotency UPDATE TO '1.1';
 SELECT extversion FROM pg_extension WHERE extname = 'idempotency';
 
--- Every new object exists and belongs to the extension.
+-- Every new object exists and belongs to the extension.  (Not listed: the
+-- row types of its tables and views, which PostgreSQL 17 and later record
+-- as members too.)
 SELECT pg_describe_object(classid, objid, objsubid) AS object
   FROM pg_depend
  WHERE refclassid = 'pg_extension'::regclass AND deptype = 'e'
    AND refobjid = (SELECT oid FROM pg_extension WHERE extname = 'idempotency')
+   AND classid <> 'pg_type'::regclass
    AND pg_describe_object(classid, objid, objsubid) ~ '(inbox|stats|cleanup)'
  ORDER BY 1;
 -- A multi-phase operation as 1.1 wrote it (token 1, its owner's lease
@@ -101,14 +104,14 @@ SELECT idem_cleanup();
 SELECT cleanup_runs, last_cleanup_at IS NOT NULL AS has_last_cleanup, expired_processing
   FROM idem_stats WHERE datname = current_database();
 CREATE VIEW extension_objects AS
-SELECT pg_describe_object(classid, objid, objsubid) AS object
+SELECT classid, pg_describe_object(classid, objid, objsubid) AS object
   FROM pg_depend
  WHERE refclassid = 'pg_extension'::regclass AND deptype = 'e'
    AND refobjid = (SELECT oid FROM pg_extension WHERE extname = 'idempotency');
 CREATE TABLE upgraded_objects AS SELECT * FROM extension_objects;
--- The objects 1.2 added.
+-- The objects 1.2 added (row types aside, as above).
 SELECT object FROM upgraded_objects
- WHERE object ~ '(lock_key|tokens)' ORDER BY 1;
+ WHERE object ~ '(lock_key|tokens)' AND classid <> 'pg_type'::regclass ORDER BY 1;
 -- The privileges the install scripts set.
 SELECT has_function_privilege('public', 'idem_inbox_accept(text, text, interval)', 'EXECUTE') AS inbox_public,
        has_table_privilege('public', 'idem_stats', 'SELECT') AS stats_public,
@@ -127,11 +130,29 @@ SELECT u.columns = string_agg(attname, ',' ORDER BY attnum) AS same_record_colum
   FROM upgraded_columns u, pg_attribute
  WHERE attrelid = 'idempotency.records'::regclass AND attnum > 0 AND NOT attisdropped
  GROUP BY u.columns;
-(SELECT 'only after the upgrade' AS difference, * FROM upgraded_objects
- EXCEPT SELECT 'only after the upgrade', * FROM extension_objects)
+CREATE VIEW install_differences AS
+(SELECT 'only after the upgrade' AS difference, object FROM upgraded_objects
+ EXCEPT SELECT 'only after the upgrade', object FROM extension_objects)
 UNION ALL
-(SELECT 'only in a fresh install', * FROM extension_objects
- EXCEPT SELECT 'only in a fresh install', * FROM upgraded_objects);
+(SELECT 'only in a fresh install', object FROM extension_objects
+ EXCEPT SELECT 'only in a fresh install', object FROM upgraded_objects);
+SELECT * FROM install_differences;
+
+-- Every released version updates to the current one with one ALTER
+-- EXTENSION UPDATE, to the same objects.
+SELECT source, target, path FROM pg_extension_update_paths('idempotency')
+ WHERE target = (SELECT default_version FROM pg_available_extensions WHERE name = 'idempotency')
+ ORDER BY source;
+DROP EXTENSION idempotency;
+CREATE EXTENSION idempotency VERSION '1.0';
+ALTER EXTENSION idempotency UPDATE;
+SELECT extversion FROM pg_extension WHERE extname = 'idempotency';
+SELECT * FROM install_differences;
+DROP EXTENSION idempotency;
+CREATE EXTENSION idempotency VERSION '1.1';
+ALTER EXTENSION idempotency UPDATE;
+SELECT extversion FROM pg_extension WHERE extname = 'idempotency';
+SELECT * FROM install_differences;
 
 \c :origdb
 DROP DATABASE idem_upgrade;

@@ -2,7 +2,8 @@
 -- The upgrade path: an installation of version 1.0 gets multi-phase
 -- operations, the inbox, the statistics and idem_cleanup with ALTER
 -- EXTENSION UPDATE to 1.1, then record owners, tokens that never repeat and
--- the lock key with 1.2, keeping its records and marks.  The library refuses
+-- the lock key with 1.2, keeping its records and marks; 1.3 adds the
+-- relay's per-destination options and endpoint state.  The library refuses
 -- to work on SQL objects older than itself, with a clear error, until ALTER
 -- EXTENSION UPDATE has run.  Runs in a database of its own, since the test
 -- database already has the current version.
@@ -153,6 +154,23 @@ CREATE EXTENSION idempotency VERSION '1.1';
 ALTER EXTENSION idempotency UPDATE;
 SELECT extversion FROM pg_extension WHERE extname = 'idempotency';
 SELECT * FROM install_differences;
+-- 1.2 to 1.3: a destination made at 1.2 gets the defaults of the options
+-- 1.3 added, and a closed circuit.
+DROP EXTENSION idempotency;
+CREATE EXTENSION idempotency VERSION '1.2';
+-- (Written as 1.2 wrote it: this library's functions need 1.3's columns.)
+INSERT INTO idempotency.destinations (name, kind, target, topics, run_as, search_path, options,
+                                      max_attempts, backoff_base_ms, backoff_cap_ms, timeout_ms)
+VALUES ('old_ui', 'notify', 'old_events', '{*}', current_user::regrole, 'public', '{}',
+        10, 1000, 3600000, 10000);
+ALTER EXTENSION idempotency UPDATE;
+SELECT extversion FROM pg_extension WHERE extname = 'idempotency';
+SELECT * FROM install_differences;
+SELECT name, max_in_flight, connect_timeout_ms, failure_threshold, disable_after_ms, circuit,
+       consecutive_failures, failing_since, next_probe_at, paced_until
+  FROM idempotency.destinations;
+SELECT destination, status, circuit, consecutive_failures, next_probe_at, paced_until
+  FROM idem_outbox_stats;
 
 \c :origdb
 DROP DATABASE idem_upgrade;

@@ -55,6 +55,10 @@ typedef struct DestOptions
 	int64		backoff_base_ms;
 	int64		backoff_cap_ms;
 	int64		timeout_ms;
+	int32		max_in_flight;	/* http: requests open to the endpoint at once */
+	int64		connect_timeout_ms; /* http: connecting, within timeout_ms */
+	int32		failure_threshold;	/* http: consecutive failures that open the circuit */
+	int64		disable_after_ms;	/* http: open and failing this long: disabled */
 	Datum		secrets;		/* text[], or 0 when none */
 } DestOptions;
 
@@ -98,7 +102,7 @@ dest_allowed_options(DestKind kind)
 	switch (kind)
 	{
 		case DEST_HTTP:
-			return "max_attempts, backoff_base, backoff_cap, timeout, secret, secrets, headers";
+			return "max_attempts, backoff_base, backoff_cap, timeout, connect_timeout, max_in_flight, failure_threshold, disable_after, secret, secrets, headers";
 		case DEST_FUNCTION:
 			return "max_attempts, backoff_base, backoff_cap, timeout";
 		case DEST_NOTIFY:
@@ -246,6 +250,10 @@ dest_parse_options(DestKind kind, Jsonb *options, DestOptions *o)
 	o->backoff_base_ms = DEST_DEFAULT_BACKOFF_BASE;
 	o->backoff_cap_ms = DEST_DEFAULT_BACKOFF_CAP;
 	o->timeout_ms = DEST_DEFAULT_TIMEOUT;
+	o->max_in_flight = DEST_DEFAULT_MAX_IN_FLIGHT;
+	o->connect_timeout_ms = DEST_DEFAULT_CONNECT_TIMEOUT;
+	o->failure_threshold = DEST_DEFAULT_FAILURE_THRESHOLD;
+	o->disable_after_ms = DEST_DEFAULT_DISABLE_AFTER;
 	o->secrets = (Datum) 0;
 
 	if (!JB_ROOT_IS_OBJECT(options) || JB_ROOT_IS_SCALAR(options))
@@ -280,6 +288,14 @@ dest_parse_options(DestKind kind, Jsonb *options, DestOptions *o)
 		}
 		else if ((kind == DEST_HTTP || kind == DEST_FUNCTION) && strcmp(key, "timeout") == 0)
 			o->timeout_ms = dest_duration_ms(&v, key, 1, 3600 * 1000L);
+		else if (kind == DEST_HTTP && strcmp(key, "connect_timeout") == 0)
+			o->connect_timeout_ms = dest_duration_ms(&v, key, 1, 3600 * 1000L);
+		else if (kind == DEST_HTTP && strcmp(key, "max_in_flight") == 0)
+			o->max_in_flight = dest_int_option(&v, key, 1, 1000);
+		else if (kind == DEST_HTTP && strcmp(key, "failure_threshold") == 0)
+			o->failure_threshold = dest_int_option(&v, key, 1, 1000000);
+		else if (kind == DEST_HTTP && strcmp(key, "disable_after") == 0)
+			o->disable_after_ms = dest_duration_ms(&v, key, 1, 365 * 86400 * 1000L);
 		else if (kind == DEST_HTTP && strcmp(key, "secret") == 0)
 		{
 			if (v.type != jbvString)
@@ -530,10 +546,11 @@ idem_destination_create(PG_FUNCTION_ARGS)
 	DestOptions o;
 	Oid			func;
 	char	   *stored_target;
-	Oid			argtypes[13] = {TEXTOID, TEXTOID, TEXTOID, TEXTARRAYOID, OIDOID,
-		OIDOID, TEXTOID, JSONBOID, TEXTARRAYOID, INT4OID, INT8OID, INT8OID, INT8OID};
-	Datum		values[13];
-	char		nulls[13];
+	Oid			argtypes[17] = {TEXTOID, TEXTOID, TEXTOID, TEXTARRAYOID, OIDOID,
+		OIDOID, TEXTOID, JSONBOID, TEXTARRAYOID, INT4OID, INT8OID, INT8OID, INT8OID,
+	INT4OID, INT8OID, INT4OID, INT8OID};
+	Datum		values[17];
+	char		nulls[17];
 
 	outbox_check_name(name, "destination name");
 	kind = dest_kind_from_name(kind_name);
@@ -557,14 +574,20 @@ idem_destination_create(PG_FUNCTION_ARGS)
 	values[10] = Int64GetDatum(o.backoff_base_ms);
 	values[11] = Int64GetDatum(o.backoff_cap_ms);
 	values[12] = Int64GetDatum(o.timeout_ms);
+	values[13] = Int32GetDatum(o.max_in_flight);
+	values[14] = Int64GetDatum(o.connect_timeout_ms);
+	values[15] = Int32GetDatum(o.failure_threshold);
+	values[16] = Int64GetDatum(o.disable_after_ms);
 
 	if (dest_execute("INSERT INTO idempotency.destinations"
 					 "  (name, kind, target, topics, func, run_as, search_path, options,"
-					 "   secrets, headers, max_attempts, backoff_base_ms, backoff_cap_ms, timeout_ms)"
+					 "   secrets, headers, max_attempts, backoff_base_ms, backoff_cap_ms, timeout_ms,"
+					 "   max_in_flight, connect_timeout_ms, failure_threshold, disable_after_ms)"
 					 " VALUES ($1, $2, $3, $4, $5::regprocedure, $6::regrole, $7,"
-					 "  $8 - '{secret,secrets,headers}'::text[], $9, $8 -> 'headers', $10, $11, $12, $13)"
+					 "  $8 - '{secret,secrets,headers}'::text[], $9, $8 -> 'headers', $10, $11, $12, $13,"
+					 "  $14, $15, $16, $17)"
 					 " ON CONFLICT (name) DO NOTHING",
-					 13, argtypes, values, nulls, SPI_OK_INSERT) == 0)
+					 17, argtypes, values, nulls, SPI_OK_INSERT) == 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_DUPLICATE_OBJECT),
 				 errmsg("destination \"%s\" already exists", text_to_cstring(name))));
@@ -582,9 +605,10 @@ idem_destination_alter(PG_FUNCTION_ARGS)
 	text	   *name = DatumGetTextPP(dest_arg(fcinfo, 0, "name"));
 	Jsonb	   *options = DatumGetJsonbP(dest_arg(fcinfo, 1, "options"));
 	OutboxOwnerState owner;
-	Oid			argtypes[7] = {TEXTOID, JSONBOID, TEXTARRAYOID, INT4OID, INT8OID, INT8OID, INT8OID};
-	Datum		values[7];
-	char		nulls[7];
+	Oid			argtypes[11] = {TEXTOID, JSONBOID, TEXTARRAYOID, INT4OID, INT8OID, INT8OID, INT8OID,
+	INT4OID, INT8OID, INT4OID, INT8OID};
+	Datum		values[11];
+	char		nulls[11];
 	DestKind	kind;
 	DestOptions o;
 	Datum		arg = PointerGetDatum(name);
@@ -615,12 +639,18 @@ idem_destination_alter(PG_FUNCTION_ARGS)
 	values[4] = Int64GetDatum(o.backoff_base_ms);
 	values[5] = Int64GetDatum(o.backoff_cap_ms);
 	values[6] = Int64GetDatum(o.timeout_ms);
+	values[7] = Int32GetDatum(o.max_in_flight);
+	values[8] = Int64GetDatum(o.connect_timeout_ms);
+	values[9] = Int32GetDatum(o.failure_threshold);
+	values[10] = Int64GetDatum(o.disable_after_ms);
 	(void) dest_execute("UPDATE idempotency.destinations"
 						"   SET options = $2 - '{secret,secrets,headers}'::text[], secrets = $3,"
 						"       headers = $2 -> 'headers', max_attempts = $4,"
-						"       backoff_base_ms = $5, backoff_cap_ms = $6, timeout_ms = $7"
+						"       backoff_base_ms = $5, backoff_cap_ms = $6, timeout_ms = $7,"
+						"       max_in_flight = $8, connect_timeout_ms = $9,"
+						"       failure_threshold = $10, disable_after_ms = $11"
 						" WHERE name = $1",
-						7, argtypes, values, nulls, SPI_OK_UPDATE);
+						11, argtypes, values, nulls, SPI_OK_UPDATE);
 	PG_RETURN_VOID();
 }
 
@@ -661,8 +691,10 @@ idem_destination_pause(PG_FUNCTION_ARGS)
 }
 
 /*
- * idem_destination_resume(name): deliver again, after a pause or after the
- * endpoint disabled itself with 410 Gone.
+ * idem_destination_resume(name): deliver again, after a pause, after the
+ * endpoint disabled itself with 410 Gone, or after the relay disabled it for
+ * failing longer than its disable_after.  The endpoint starts afresh: circuit
+ * closed, no failures counted, no pacing.
  */
 Datum
 idem_destination_resume(PG_FUNCTION_ARGS)
@@ -672,7 +704,9 @@ idem_destination_resume(PG_FUNCTION_ARGS)
 	Datum		values[1] = {PointerGetDatum(name)};
 
 	if (dest_execute("UPDATE idempotency.destinations"
-					 "   SET paused = false, disabled_at = NULL, disabled_reason = NULL"
+					 "   SET paused = false, disabled_at = NULL, disabled_reason = NULL,"
+					 "       circuit = 'closed', consecutive_failures = 0, failing_since = NULL,"
+					 "       next_probe_at = NULL, paced_until = NULL"
 					 " WHERE name = $1",
 					 1, argtypes, values, NULL, SPI_OK_UPDATE) == 0)
 		dest_report_missing(name);

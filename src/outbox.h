@@ -69,6 +69,12 @@ typedef enum DestKind
 #define DEST_DEFAULT_BACKOFF_CAP	3600000		/* ms: one hour */
 #define DEST_DEFAULT_TIMEOUT		10000		/* ms: a function call, an HTTP request */
 
+/* Options of 'http' destinations (version 1.3), with their defaults. */
+#define DEST_DEFAULT_MAX_IN_FLIGHT	16			/* requests open to one endpoint */
+#define DEST_DEFAULT_CONNECT_TIMEOUT 5000		/* ms: connecting, within the timeout */
+#define DEST_DEFAULT_FAILURE_THRESHOLD 10		/* consecutive failures that open the circuit */
+#define DEST_DEFAULT_DISABLE_AFTER	(3 * 86400 * 1000L) /* ms: failing this long while open */
+
 /* GUCs */
 extern int	outbox_retention;
 extern int	relay_batch_size;

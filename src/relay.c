@@ -96,6 +96,7 @@
 #define RELAY_NOTIFY_MAX	(BLCKSZ - NAMEDATALEN - 128)
 
 static Datum relay_array(Datum *values, bool *nulls, int n, Oid typid);
+static TimestampTz relay_next_due_except(int32 *full, int nfull);
 
 /* The saved statements. */
 static SPIPlanPtr claim_plan = NULL;
@@ -111,6 +112,16 @@ static SPIPlanPtr cleanup_deliveries_plan = NULL;
 static SPIPlanPtr cleanup_orphans_plan = NULL;
 static SPIPlanPtr cleanup_events_plan = NULL;
 static SPIPlanPtr fold_stats_plan = NULL;
+static SPIPlanPtr state_lock_plan = NULL;
+static SPIPlanPtr state_write_plan = NULL;
+static SPIPlanPtr probe_plan = NULL;
+
+/*
+ * The shortest sleep of the loop when deliveries are due but none could be
+ * claimed (held behind an earlier event of their key, or claimed by another
+ * relay); completions and commits wake it earlier.
+ */
+#define RELAY_LOOP_MIN_NAP_MS	1000
 
 /* Whether a relay pass runs in this backend (a destination may not start another). */
 static bool relay_pass_running = false;
@@ -226,9 +237,9 @@ relay_step_begin(RelayStep *step, const char *activity, bool skippable)
 }
 
 /*
- * Whether the deliveries have the columns this library's relay uses (the
- * extension at version 1.2).  Once the library is upgraded, a database
- * still at 1.1 waits for ALTER EXTENSION idempotency UPDATE: the worker's
+ * Whether the tables have the columns this library's relay uses (the
+ * extension at version 1.3).  Once the library is upgraded, a database
+ * still at 1.2 or older waits for ALTER EXTENSION idempotency UPDATE: the worker's
  * passes do nothing meanwhile (said once), a caller of idem_outbox_relay()
  * is told to update.
  */
@@ -237,16 +248,16 @@ relay_schema_current(bool own_xact)
 {
 	static bool waiting_logged = false;
 
-	if (get_attnum(outbox_relid("deliveries"), "claims") != InvalidAttrNumber)
+	if (get_attnum(outbox_relid("destinations"), "circuit") != InvalidAttrNumber)
 		return true;
 	if (!own_xact)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("the outbox relay needs extension \"idempotency\" at version 1.2"),
+				 errmsg("the outbox relay needs extension \"idempotency\" at version 1.3"),
 				 errhint("Run ALTER EXTENSION idempotency UPDATE.")));
 	if (!waiting_logged)
 		ereport(LOG,
-				(errmsg("the outbox relay of database \"%s\" waits for extension \"idempotency\" version 1.2",
+				(errmsg("the outbox relay of database \"%s\" waits for extension \"idempotency\" version 1.3",
 						get_database_name(MyDatabaseId)),
 				 errhint("Run ALTER EXTENSION idempotency UPDATE.")));
 	waiting_logged = true;
@@ -298,7 +309,9 @@ relay_load_dests(MemoryContext cxt)
 	plan = relay_prepare(&dests_plan,
 						 "SELECT id, name, kind, target, func, run_as, search_path, secrets,"
 						 "       headers, max_attempts, backoff_base_ms, backoff_cap_ms, timeout_ms,"
-						 "       options @> '{\"reference\": true}'"
+						 "       options @> '{\"reference\": true}',"
+						 "       max_in_flight, connect_timeout_ms, failure_threshold, disable_after_ms,"
+						 "       circuit = 'open', consecutive_failures, paced_until IS NOT NULL"
 						 "  FROM idempotency.destinations",
 						 0, NULL);
 	if (SPI_execute_plan(plan, NULL, NULL, false, 0) != SPI_OK_SELECT)
@@ -341,6 +354,13 @@ relay_load_dests(MemoryContext cxt)
 		d->backoff_cap_ms = DatumGetInt64(spi_value(tup, 12, Int64GetDatum(DEST_DEFAULT_BACKOFF_CAP)));
 		d->timeout_ms = DatumGetInt64(spi_value(tup, 13, Int64GetDatum(DEST_DEFAULT_TIMEOUT)));
 		d->reference = DatumGetBool(spi_value(tup, 14, BoolGetDatum(false)));
+		d->max_in_flight = DatumGetInt32(spi_value(tup, 15, Int32GetDatum(DEST_DEFAULT_MAX_IN_FLIGHT)));
+		d->connect_timeout_ms = DatumGetInt64(spi_value(tup, 16, Int64GetDatum(DEST_DEFAULT_CONNECT_TIMEOUT)));
+		d->failure_threshold = DatumGetInt32(spi_value(tup, 17, Int32GetDatum(DEST_DEFAULT_FAILURE_THRESHOLD)));
+		d->disable_after_ms = DatumGetInt64(spi_value(tup, 18, Int64GetDatum(DEST_DEFAULT_DISABLE_AFTER)));
+		d->circuit_open = DatumGetBool(spi_value(tup, 19, BoolGetDatum(false)));
+		d->consecutive_failures = DatumGetInt32(spi_value(tup, 20, Int32GetDatum(0)));
+		d->paced = DatumGetBool(spi_value(tup, 21, BoolGetDatum(false)));
 		dests = lappend(dests, d);
 		MemoryContextSwitchTo(old);
 	}
@@ -376,10 +396,12 @@ relay_item_cmp(const void *a, const void *b)
 /*
  * What the claim statements set and return: the claim itself (attempt,
  * visibility deadline) and what delivering needs.  $1 is now, $3 the
- * visibility margin, $4 the number of waves of HTTP requests; the statement
- * defines "picked" (the deliveries to claim: tid, their current row version,
- * and interrupted: whether the previous attempt's outcome was never
- * recorded).
+ * visibility margin, $4 the number of waves of requests a delivery may wait
+ * for (1 in the worker's loop, which claims only what it can send at once);
+ * each delivery's deadline is $3 plus $4 times its own destination's
+ * timeout.  The statement defines "picked" (the deliveries to claim: tid,
+ * their current row version, and interrupted: whether the previous
+ * attempt's outcome was never recorded).
  *
  * Every access to the deliveries and the outbox goes through a row's TID or
  * a lookup by key in a LATERAL subquery with LIMIT 1, which the planner can
@@ -391,25 +413,21 @@ relay_item_cmp(const void *a, const void *b)
  * snapshot cannot see): it is skipped for this pass, never claimed twice.
  */
 #define CLAIM_UPDATE \
-	" , deadline AS MATERIALIZED (" \
-	" SELECT $1 + ($3 + $4 * coalesce(max(timeout_ms), 0)) * interval '1 ms' AS at" \
-	"   FROM idempotency.destinations" \
-	"  WHERE kind = 'http' AND NOT paused AND disabled_at IS NULL)," \
-	" claimed AS (" \
+	" , claimed AS (" \
 	" UPDATE idempotency.deliveries d" \
 	"    SET attempts = d.attempts + 1," \
 	"        claims = d.claims + 1," \
-	"        next_attempt_at = deadline.at," \
-	"        visible_until = deadline.at," \
+	"        next_attempt_at = $1 + ($3 + $4 * t.timeout_ms) * interval '1 ms'," \
+	"        visible_until = $1 + ($3 + $4 * t.timeout_ms) * interval '1 ms'," \
 	"        first_attempt_at = coalesce(d.first_attempt_at, $1)," \
 	"        last_attempt_at = $1" \
-	"   FROM picked, deadline" \
-	"  WHERE d.ctid = picked.tid" \
+	"   FROM picked, idempotency.destinations t" \
+	"  WHERE d.ctid = picked.tid AND t.id = d.destination_id" \
 	" RETURNING d.event_id, d.destination_id, d.attempts, d.seq, picked.interrupted, d.key," \
-	"           d.claims)" \
+	"           d.claims, d.next_attempt_at AS claimed_until)" \
 	" SELECT c.event_id, c.destination_id, c.attempts, c.seq, c.interrupted," \
 	"        x.topic, x.published_at, x.body, x.envelope, x.headers, c.key," \
-	"        (SELECT at FROM deadline) AS claimed_until, c.claims" \
+	"        c.claimed_until, c.claims, t.kind = 'http'" \
 	"   FROM claimed c JOIN idempotency.destinations t ON t.id = c.destination_id," \
 	"   LATERAL (" \
 	"    SELECT o.topic, o.published_at," \
@@ -451,6 +469,8 @@ relay_read_claimed(MemoryContext cxt, RelayItem **items, int n)
 		it->key = spi_text(tup, 11);
 		it->claimed_until = DatumGetTimestampTz(spi_value(tup, 12, 0));
 		it->claim = DatumGetInt64(spi_value(tup, 13, 0));
+		it->is_http = DatumGetBool(spi_value(tup, 14, BoolGetDatum(false)));
+		it->retry_after_ms = -1;
 		it->outcome = RELAY_PENDING;
 		MemoryContextSwitchTo(old);
 		items[n++] = it;
@@ -462,8 +482,8 @@ relay_read_claimed(MemoryContext cxt, RelayItem **items, int n)
  * Claim the due deliveries that may go now: no earlier delivery of their key
  * to their destination is undelivered (the heads of their keys), oldest
  * first, up to max_events.  Appends them to items after the first n; returns
- * the new count.  pass_max is the pass's whole batch, which sizes the
- * visibility deadline.
+ * the new count.  waves sizes the visibility deadline (see CLAIM_UPDATE);
+ * rooms bounds the requests the claim may open, and counts those it takes.
  *
  * Finding heads means walking past the due deliveries that wait behind an
  * earlier one of their key.  When a backlog sits on few keys that is nearly
@@ -484,12 +504,22 @@ relay_read_claimed(MemoryContext cxt, RelayItem **items, int n)
 #define HEADS_BEYOND_MS	1000
 
 #define CLAIM_HEADS(window) \
-	"WITH picked AS MATERIALIZED (" \
-	" SELECT d.ctid AS tid, d.visible_until IS NOT NULL AS interrupted" \
+	"WITH room AS MATERIALIZED (" \
+	" SELECT t.id, t.kind = 'http' AS http," \
+	"        CASE WHEN t.kind <> 'http' THEN $2 WHEN t.circuit = 'open' THEN 1" \
+	"             WHEN $6 THEN t.max_in_flight ELSE $2 END" \
+	"        - coalesce((SELECT a.n FROM unnest($7::int4[], $8::int4[]) AS a(id, n)" \
+	"                     WHERE a.id = t.id LIMIT 1), 0) AS room" \
+	"   FROM idempotency.destinations t" \
+	"  WHERE NOT t.paused AND t.disabled_at IS NULL" \
+	"    AND (t.paced_until IS NULL OR t.paced_until <= $1)" \
+	"    AND (t.circuit <> 'open' OR t.next_probe_at <= $1))," \
+	" candidates AS MATERIALIZED (" \
+	" SELECT d.ctid AS tid, d.visible_until IS NOT NULL AS interrupted," \
+	"        d.destination_id, d.next_attempt_at" \
 	"   FROM idempotency.deliveries d" \
 	"  WHERE d.state = 'pending' AND d.next_attempt_at <= $1" window \
-	"    AND d.destination_id IN (SELECT t.id FROM idempotency.destinations t" \
-	"                              WHERE NOT t.paused AND t.disabled_at IS NULL)" \
+	"    AND d.destination_id IN (SELECT r.id FROM room r WHERE r.room > 0)" \
 	"    AND (d.key IS NULL OR (" \
 	"          SELECT e.seq FROM idempotency.deliveries e" \
 	"           WHERE e.destination_id = d.destination_id AND e.key = d.key" \
@@ -497,7 +527,14 @@ relay_read_claimed(MemoryContext cxt, RelayItem **items, int n)
 	"           ORDER BY e.seq DESC LIMIT 1) IS NULL)" \
 	"  ORDER BY d.next_attempt_at" \
 	"  LIMIT $2" \
-	"    FOR UPDATE OF d SKIP LOCKED)" \
+	"    FOR UPDATE OF d SKIP LOCKED)," \
+	" picked AS MATERIALIZED (" \
+	" SELECT c.tid, c.interrupted FROM (" \
+	"   SELECT c.tid, c.interrupted, r.room, r.http," \
+	"          row_number() OVER (PARTITION BY c.destination_id ORDER BY c.next_attempt_at) AS rank," \
+	"          row_number() OVER (PARTITION BY r.http ORDER BY c.next_attempt_at) AS kind_rank" \
+	"     FROM candidates c JOIN room r ON r.id = c.destination_id) c" \
+	"  WHERE c.rank <= c.room AND (NOT c.http OR c.kind_rank <= $9))" \
 	CLAIM_UPDATE
 
 /* The window: no later than the $5-th oldest due delivery. */
@@ -510,30 +547,92 @@ relay_read_claimed(MemoryContext cxt, RelayItem **items, int n)
 	"                                WHERE NOT t.paused AND t.disabled_at IS NULL)" \
 	"    ORDER BY w.next_attempt_at LIMIT $5) w)"
 
-static int
-relay_claim_heads(int max_events, bool windowed, int pass_max, TimestampTz now,
-				  MemoryContext cxt, RelayItem **items, int n)
+/*
+ * How many more requests a claim may open: to each destination (in the
+ * worker's loop, whose requests stay in flight, its max_in_flight less the
+ * chains of its deliveries the loop holds; a destination whose circuit is
+ * open, one probe) and to all 'http' destinations together.
+ */
+typedef struct RelayRooms
 {
-	Oid			argtypes[5] = {TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID, INT4OID};
-	Datum		values[5];
+	bool		limit;			/* apply each destination's max_in_flight */
+	int			n;				/* destinations with chains held */
+	int			size;
+	int32	   *ids;
+	int32	   *active;			/* chains held per destination */
+	int			http_room;		/* 'http' heads the claim may still take */
+} RelayRooms;
+
+/* Count the 'http' heads just claimed (items[first .. n - 1]) against rooms. */
+static void
+relay_rooms_take(RelayRooms *rooms, RelayItem **items, int first, int n)
+{
+	for (int i = first; i < n; i++)
+	{
+		int			j;
+
+		if (!items[i]->is_http)
+			continue;
+		rooms->http_room--;
+		for (j = 0; j < rooms->n; j++)
+			if (rooms->ids[j] == items[i]->dest_id)
+				break;
+		if (j == rooms->n)
+		{
+			if (rooms->n == rooms->size)
+			{
+				rooms->size = Max(16, rooms->size * 2);
+				rooms->ids = rooms->ids ? repalloc(rooms->ids, sizeof(int32) * rooms->size)
+					: palloc(sizeof(int32) * rooms->size);
+				rooms->active = rooms->active ? repalloc(rooms->active, sizeof(int32) * rooms->size)
+					: palloc(sizeof(int32) * rooms->size);
+			}
+			rooms->ids[j] = items[i]->dest_id;
+			rooms->active[j] = 0;
+			rooms->n++;
+		}
+		rooms->active[j]++;
+	}
+}
+
+static int
+relay_claim_heads(int max_events, bool windowed, int waves, RelayRooms *rooms,
+				  TimestampTz now, MemoryContext cxt, RelayItem **items, int n)
+{
+	Oid			argtypes[9] = {TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID, INT4OID,
+		BOOLOID, INT4ARRAYOID, INT4ARRAYOID, INT4OID};
+	Datum		values[9];
+	Datum	   *ids = palloc(sizeof(Datum) * Max(rooms->n, 1));
+	Datum	   *active = palloc(sizeof(Datum) * Max(rooms->n, 1));
 	SPIPlanPtr	plan;
 	int			rc;
+	int			first = n;
 
 	if (windowed)
-		plan = relay_prepare(&claim_plan, CLAIM_HEADS(HEADS_WINDOW_SQL), 5, argtypes);
+		plan = relay_prepare(&claim_plan, CLAIM_HEADS(HEADS_WINDOW_SQL), 9, argtypes);
 	else
-		plan = relay_prepare(&claim_all_plan, CLAIM_HEADS(""), 4, argtypes);
+		plan = relay_prepare(&claim_all_plan, CLAIM_HEADS(""), 9, argtypes);
 
+	for (int i = 0; i < rooms->n; i++)
+	{
+		ids[i] = Int32GetDatum(rooms->ids[i]);
+		active[i] = Int32GetDatum(rooms->active[i]);
+	}
 	values[0] = TimestampTzGetDatum(now);
 	values[1] = Int32GetDatum(max_events);
 	values[2] = Int32GetDatum(relay_visibility_margin);
-	/* HTTP requests go out in waves of http_max_in_flight(). */
-	values[3] = Int32GetDatum((pass_max + http_max_in_flight() - 1) / http_max_in_flight());
+	values[3] = Int32GetDatum(waves);
 	values[4] = Int32GetDatum(max_events * HEADS_WINDOW);
+	values[5] = BoolGetDatum(rooms->limit);
+	values[6] = relay_array(ids, NULL, rooms->n, INT4OID);
+	values[7] = relay_array(active, NULL, rooms->n, INT4OID);
+	values[8] = Int32GetDatum(Max(rooms->http_room, 0));
 	rc = SPI_execute_plan(plan, values, NULL, false, 0);
 	if (rc != SPI_OK_SELECT)
 		elog(ERROR, "could not claim outbox deliveries");
-	return relay_read_claimed(cxt, items, n);
+	n = relay_read_claimed(cxt, items, n);
+	relay_rooms_take(rooms, items, first, n);
+	return n;
 }
 
 /*
@@ -544,10 +643,10 @@ relay_claim_heads(int max_events, bool windowed, int pass_max, TimestampTz now,
  * head is claimed, so for everyone else an earlier delivery of their key is
  * undelivered.  At most room in all, shared out evenly between the keys.
  * The heads are items[first .. n - 1]; appends the followers after them.
- * pass_max is the pass's whole batch, which sizes the visibility deadline.
+ * waves sizes the visibility deadline (see CLAIM_UPDATE).
  */
 static int
-relay_claim_followers(int room, int pass_max, TimestampTz now, MemoryContext cxt,
+relay_claim_followers(int room, int waves, TimestampTz now, MemoryContext cxt,
 					  RelayItem **items, int first, int n)
 {
 	Oid			argtypes[8] = {TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID,
@@ -597,7 +696,7 @@ relay_claim_followers(int room, int pass_max, TimestampTz now, MemoryContext cxt
 	values[0] = TimestampTzGetDatum(now);
 	values[1] = Int32GetDatum(room);
 	values[2] = Int32GetDatum(relay_visibility_margin);
-	values[3] = Int32GetDatum((pass_max + http_max_in_flight() - 1) / http_max_in_flight());
+	values[3] = Int32GetDatum(waves);
 	values[4] = relay_array(dests, NULL, nheads, INT4OID);
 	values[5] = relay_array(keys, NULL, nheads, TEXTOID);
 	values[6] = relay_array(seqs, NULL, nheads, INT8OID);
@@ -663,7 +762,8 @@ relay_release_chain(RelayItem *it)
  * cxt), in seq order and chained, in *items.
  */
 static int
-relay_claim(int max_events, TimestampTz now, MemoryContext cxt, RelayItem ***items)
+relay_claim(int max_events, int waves, RelayRooms *rooms, TimestampTz now,
+			MemoryContext cxt, RelayItem ***items)
 {
 	/* Whether this backend's last pass found fewer heads than it could take. */
 	static bool heads_sparse = false;
@@ -685,20 +785,20 @@ relay_claim(int max_events, TimestampTz now, MemoryContext cxt, RelayItem ***ite
 		TimestampDifferenceExceeds(beyond_at, now, HEADS_BEYOND_MS);
 
 	*items = MemoryContextAlloc(cxt, sizeof(RelayItem *) * max_events);
-	n = relay_claim_heads(max_events, heads_sparse, max_events, now, cxt, *items, 0);
+	n = relay_claim_heads(max_events, heads_sparse, waves, rooms, now, cxt, *items, 0);
 	if (look_beyond && n < max_events)
-		n = relay_claim_heads(Min(Max(max_events / 4, 1), max_events - n), false, max_events,
-							  now, cxt, *items, n);
+		n = relay_claim_heads(Min(Max(max_events / 4, 1), max_events - n), false, waves,
+							  rooms, now, cxt, *items, n);
 	heads = n;
-	n = relay_claim_followers(max_events - n, max_events, now, cxt, *items, 0, n);
+	n = relay_claim_followers(max_events - n, waves, now, cxt, *items, 0, n);
 	if (heads_sparse && !look_beyond && n < max_events)
 	{
 		/* Room left: there may be heads beyond the window. */
 		int			first = n;
 
-		n = relay_claim_heads(max_events - n, false, max_events, now, cxt, *items, n);
+		n = relay_claim_heads(max_events - n, false, waves, rooms, now, cxt, *items, n);
 		heads += n - first;
-		n = relay_claim_followers(max_events - n, max_events, now, cxt, *items, first, n);
+		n = relay_claim_followers(max_events - n, waves, now, cxt, *items, first, n);
 		look_beyond = true;
 	}
 	if (look_beyond || !heads_sparse)
@@ -808,11 +908,13 @@ void
 relay_renew_claims(RelayItem **items, int n, RelayLease *lease)
 {
 	MemoryContext cxt = CurrentMemoryContext;
-	Oid			argtypes[4] = {UUIDARRAYOID, INT4ARRAYOID, INT8ARRAYOID, TIMESTAMPTZOID};
+	Oid			argtypes[4] = {UUIDARRAYOID, INT4ARRAYOID, INT8ARRAYOID, TIMESTAMPTZARRAYOID};
 	Datum		values[4];
 	Datum	   *ids;
 	Datum	   *dests;
 	Datum	   *claims;
+	Datum	   *untils;
+	TimestampTz now = GetCurrentTimestamp();
 	RelayItem **mine;
 	bool	   *renewed;
 	int			m = 0;
@@ -834,31 +936,42 @@ relay_renew_claims(RelayItem **items, int n, RelayLease *lease)
 	ids = palloc(sizeof(Datum) * n);
 	dests = palloc(sizeof(Datum) * n);
 	claims = palloc(sizeof(Datum) * n);
+	untils = palloc(sizeof(Datum) * n);
 	mine = palloc(sizeof(RelayItem *) * n);
 	renewed = palloc0(sizeof(bool) * n);
 	for (int i = 0; i < n; i++)
 	{
+		TimestampTz until;
+
 		if (items[i]->outcome == RELAY_SKIPPED)
 			continue;
+		/* A window (a pass's), or the delivery's own timeout and the margin (the loop's). */
+		if (lease->window_us > 0)
+			until = now + lease->window_us;
+		else
+			until = now + ((int64) relay_visibility_margin +
+						   (items[i]->dest ? items[i]->dest->timeout_ms : DEST_DEFAULT_TIMEOUT)) * 1000;
 		ids[m] = UUIDPGetDatum(&items[i]->event_id);
 		dests[m] = Int32GetDatum(items[i]->dest_id);
 		claims[m] = Int64GetDatum(items[i]->claim);
+		untils[m] = TimestampTzGetDatum(until);
+		items[i]->claimed_until = until;
 		mine[m++] = items[i];
 	}
 	if (m > 0)
 	{
 		plan = relay_prepare(&renew_plan,
 							 "WITH r AS ("
-							 " SELECT * FROM unnest($1::uuid[], $2::int4[], $3::int8[]) WITH ORDINALITY"
-							 "   AS r(event_id, destination_id, claims, n)),"
+							 " SELECT * FROM unnest($1::uuid[], $2::int4[], $3::int8[], $4::timestamptz[])"
+							 "   WITH ORDINALITY AS r(event_id, destination_id, claims, until, n)),"
 							 " found AS MATERIALIZED ("
-							 " SELECT r.n, r.claims, x.tid FROM r,"
+							 " SELECT r.n, r.claims, r.until, x.tid FROM r,"
 							 "   LATERAL (SELECT d.ctid AS tid FROM idempotency.deliveries d"
 							 "             WHERE d.event_id = r.event_id"
 							 "               AND d.destination_id = r.destination_id"
 							 "             LIMIT 1) x)"
 							 " UPDATE idempotency.deliveries d"
-							 "    SET next_attempt_at = $4, visible_until = $4"
+							 "    SET next_attempt_at = f.until, visible_until = f.until"
 							 "   FROM found f"
 							 "  WHERE d.ctid = f.tid AND d.state = 'pending' AND d.claims = f.claims"
 							 " RETURNING f.n",
@@ -866,7 +979,7 @@ relay_renew_claims(RelayItem **items, int n, RelayLease *lease)
 		values[0] = relay_array(ids, NULL, m, UUIDOID);
 		values[1] = relay_array(dests, NULL, m, INT4OID);
 		values[2] = relay_array(claims, NULL, m, INT8OID);
-		values[3] = TimestampTzGetDatum(GetCurrentTimestamp() + lease->window_us);
+		values[3] = relay_array(untils, NULL, m, TIMESTAMPTZOID);
 		save_nestlevel = relay_plan_settings();
 		rc = SPI_execute_plan(plan, values, NULL, false, 0);
 		AtEOXact_GUC(true, save_nestlevel);
@@ -1108,13 +1221,13 @@ relay_call_function(RelayItem *it, MemoryContext cxt)
 static int
 relay_record(RelayItem **items, int n, RelayItem **missed)
 {
-	Oid			argtypes[10] = {UUIDARRAYOID, INT4ARRAYOID, INT8ARRAYOID, TEXTARRAYOID,
+	Oid			argtypes[11] = {UUIDARRAYOID, INT4ARRAYOID, INT8ARRAYOID, TEXTARRAYOID,
 		TIMESTAMPTZARRAYOID, INT4ARRAYOID, TEXTARRAYOID, INT8ARRAYOID, BOOLARRAYOID,
-	BOOLARRAYOID};
-	Datum	   *cols[10];
+	BOOLARRAYOID, BOOLARRAYOID};
+	Datum	   *cols[11];
 	bool	   *status_nulls = palloc(sizeof(bool) * n);
 	bool	   *error_nulls = palloc(sizeof(bool) * n);
-	Datum		values[10];
+	Datum		values[11];
 	RelayItem **mine = palloc(sizeof(RelayItem *) * n);
 	bool	   *recorded;
 	int			m = 0;
@@ -1123,7 +1236,7 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 	int			save_nestlevel;
 	int			rc;
 
-	for (int c = 0; c < 10; c++)
+	for (int c = 0; c < 11; c++)
 		cols[c] = palloc(sizeof(Datum) * n);
 
 	for (int i = 0; i < n; i++)
@@ -1146,8 +1259,20 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 			state = "dead";		/* not attempted either: its attempt given back */
 		else if (it->outcome == RELAY_DELIVERED)
 			state = "delivered";
+		else if (it->while_open)
+		{
+			/* Its endpoint's circuit is open: waits for it, attempt not counted. */
+			state = "pending";
+			next_at = Max(it->retry_at, it->finished_at);
+		}
 		else if (it->attempts >= d->max_attempts)
 			state = "dead";
+		else if (it->retry_at != 0)
+		{
+			/* Retry-After: no earlier than the endpoint asked (capped). */
+			state = "pending";
+			next_at = it->retry_at;
+		}
 		else
 		{
 			/* Full jitter: uniform in [0, min(cap, base * 2^(attempts-1))]. */
@@ -1172,6 +1297,7 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 		cols[8][m] = BoolGetDatum(it->interrupted);
 		cols[9][m] = BoolGetDatum(it->outcome == RELAY_RELEASED ||
 								  it->outcome == RELAY_ABANDONED);
+		cols[10][m] = BoolGetDatum(it->outcome == RELAY_FAILED && it->while_open);
 		mine[m++] = it;
 	}
 	if (m == 0)
@@ -1181,9 +1307,9 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 						 "WITH r AS ("
 						 " SELECT * FROM unnest($1::uuid[], $2::int4[], $3::int8[], $4::text[],"
 						 "                      $5::timestamptz[], $6::int4[], $7::text[], $8::int8[],"
-						 "                      $9::bool[], $10::bool[]) WITH ORDINALITY"
+						 "                      $9::bool[], $10::bool[], $11::bool[]) WITH ORDINALITY"
 						 "   AS r(event_id, destination_id, claims, state, at, status, error,"
-						 "        latency_us, interrupted, given_back, n)),"
+						 "        latency_us, interrupted, given_back, uncounted, n)),"
 						 " found AS MATERIALIZED ("
 						 " SELECT r.*, r.given_back AND r.state = 'pending' AS released,"
 						 "        x.tid, 'pending'::text AS pending FROM r,"
@@ -1199,7 +1325,7 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 						 "        visible_until = CASE WHEN r.released AND r.interrupted"
 						 "                             THEN d.visible_until END,"
 						 "        delivered_at = CASE WHEN r.state = 'delivered' THEN r.at END,"
-						 "        attempts = d.attempts - r.given_back::int,"
+						 "        attempts = d.attempts - (r.given_back OR r.uncounted)::int,"
 						 "        first_attempt_at = CASE WHEN r.released AND d.attempts = 1"
 						 "                                THEN NULL ELSE d.first_attempt_at END,"
 						 "        last_status = CASE WHEN r.released THEN d.last_status ELSE r.status END,"
@@ -1222,7 +1348,7 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 						 "        max(at) FILTER (WHERE state = 'delivered')"
 						 "   FROM u GROUP BY destination_id)"
 						 " SELECT n FROM u",
-						 10, argtypes);
+						 11, argtypes);
 
 	values[0] = relay_array(cols[0], NULL, m, UUIDOID);
 	values[1] = relay_array(cols[1], NULL, m, INT4OID);
@@ -1234,6 +1360,7 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 	values[7] = relay_array(cols[7], NULL, m, INT8OID);
 	values[8] = relay_array(cols[8], NULL, m, BOOLOID);
 	values[9] = relay_array(cols[9], NULL, m, BOOLOID);
+	values[10] = relay_array(cols[10], NULL, m, BOOLOID);
 	save_nestlevel = relay_plan_settings();
 	rc = SPI_execute_plan(plan, values, NULL, false, 0);
 	AtEOXact_GUC(true, save_nestlevel);
@@ -1250,11 +1377,284 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 	return nmissed;
 }
 
+/*
+ * The endpoint state of the 'http' destinations whose deliveries in items
+ * have an outcome to record, in the recording transaction and before the
+ * outcomes: consecutive failures, the circuit, pacing by Retry-After, and
+ * disabling after disable_after.  The rows are locked (in id order) and
+ * written only for destinations with a failure or a Retry-After now, or a
+ * state to clear: a healthy endpoint costs no write.  Outcomes are taken in
+ * the order they came.  A success closes the circuit and clears the
+ * failures; a failure (a 429 aside: a rate limit is not a failure of the
+ * endpoint) counts, and the one that reaches failure_threshold opens the
+ * circuit; a failure while it is open does not use up the delivery's
+ * attempts (it->while_open) and waits for the next probe, which comes after
+ * a destination-level backoff: min(backoff_cap, backoff_base * 2^k), k the
+ * failures beyond the threshold.  A 429 or 503 with Retry-After paces the
+ * whole destination until then (capped by backoff_cap), and the delivery
+ * is tried again no earlier (it->retry_at).  A destination open and failing
+ * for longer than its disable_after is disabled with a reason.
+ */
+static void
+relay_endpoint_states(RelayItem **items, int n)
+{
+	Datum	   *ids = palloc(sizeof(Datum) * n);
+	RelayDest **dests = palloc(sizeof(RelayDest *) * n);
+	int			nd = 0;
+	Oid			argtypes[8] = {INT4ARRAYOID, TEXTARRAYOID, INT4ARRAYOID, TIMESTAMPTZARRAYOID,
+		TIMESTAMPTZARRAYOID, TIMESTAMPTZARRAYOID, TEXTARRAYOID, TIMESTAMPTZOID};
+	Datum		values[8];
+	Datum	   *circuits;
+	Datum	   *failures;
+	Datum	   *since;
+	Datum	   *probes;
+	Datum	   *paces;
+	Datum	   *whys;
+	bool	   *since_nulls;
+	bool	   *probe_nulls;
+	bool	   *pace_nulls;
+	bool	   *why_nulls;
+	TimestampTz now = GetCurrentTimestamp();
+	SPIPlanPtr	plan;
+	uint64		nrows;
+	SPITupleTable *rows;
+
+	/* Which destinations need their state read and written. */
+	for (int i = 0; i < n; i++)
+	{
+		RelayItem  *it = items[i];
+		RelayDest  *d = it->dest;
+		bool		needed;
+		int			j;
+
+		it->while_open = false;
+		it->retry_at = 0;
+		if (d == NULL || d->kind != DEST_HTTP ||
+			(it->outcome != RELAY_DELIVERED && it->outcome != RELAY_FAILED))
+			continue;
+		needed = it->outcome == RELAY_FAILED || d->circuit_open ||
+			d->consecutive_failures > 0 || d->paced;
+		if (!needed)
+			continue;
+		for (j = 0; j < nd; j++)
+			if (dests[j]->id == d->id)
+				break;
+		if (j == nd)
+		{
+			dests[nd] = d;
+			ids[nd++] = Int32GetDatum(d->id);
+		}
+	}
+	if (nd == 0)
+		return;
+
+	plan = relay_prepare(&state_lock_plan,
+						 "SELECT id, circuit = 'open', consecutive_failures, failing_since,"
+						 "       next_probe_at, paced_until"
+						 "  FROM idempotency.destinations"
+						 " WHERE id = ANY ($1) ORDER BY id FOR UPDATE",
+						 1, argtypes);
+	values[0] = relay_array(ids, NULL, nd, INT4OID);
+	if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_SELECT)
+		elog(ERROR, "could not lock outbox destinations");
+	nrows = SPI_processed;
+	rows = SPI_tuptable;
+
+	circuits = palloc(sizeof(Datum) * nrows + 1);
+	failures = palloc(sizeof(Datum) * nrows + 1);
+	since = palloc(sizeof(Datum) * nrows + 1);
+	probes = palloc(sizeof(Datum) * nrows + 1);
+	paces = palloc(sizeof(Datum) * nrows + 1);
+	whys = palloc(sizeof(Datum) * nrows + 1);
+	since_nulls = palloc(sizeof(bool) * nrows + 1);
+	probe_nulls = palloc(sizeof(bool) * nrows + 1);
+	pace_nulls = palloc(sizeof(bool) * nrows + 1);
+	why_nulls = palloc(sizeof(bool) * nrows + 1);
+
+	for (uint64 r = 0; r < nrows; r++)
+	{
+		HeapTuple	tup = rows->vals[r];
+		bool		isnull;
+		int32		id = DatumGetInt32(SPI_getbinval(tup, rows->tupdesc, 1, &isnull));
+		bool		open = DatumGetBool(SPI_getbinval(tup, rows->tupdesc, 2, &isnull));
+		int32		cf = DatumGetInt32(SPI_getbinval(tup, rows->tupdesc, 3, &isnull));
+		Datum		v;
+		TimestampTz failing_since;
+		TimestampTz next_probe;
+		TimestampTz paced_until;
+		bool		failed_open = false;
+		bool		opened = false;
+		bool		failed = false;
+		const char *last_error = NULL;
+		RelayDest  *d = NULL;
+
+		v = SPI_getbinval(tup, rows->tupdesc, 4, &isnull);
+		failing_since = isnull ? 0 : DatumGetTimestampTz(v);
+		v = SPI_getbinval(tup, rows->tupdesc, 5, &isnull);
+		next_probe = isnull ? 0 : DatumGetTimestampTz(v);
+		v = SPI_getbinval(tup, rows->tupdesc, 6, &isnull);
+		paced_until = isnull ? 0 : DatumGetTimestampTz(v);
+		ids[r] = Int32GetDatum(id);
+
+		for (int i = 0; i < n; i++)
+		{
+			RelayItem  *it = items[i];
+
+			if (it->dest == NULL || it->dest->id != id ||
+				(it->outcome != RELAY_DELIVERED && it->outcome != RELAY_FAILED))
+				continue;
+			d = it->dest;
+			if (it->outcome == RELAY_DELIVERED)
+			{
+				open = false;
+				cf = 0;
+				failing_since = 0;
+				next_probe = 0;
+				continue;
+			}
+			failed = true;
+			last_error = it->error;
+			if (it->status != 429)
+			{
+				if (open)
+				{
+					it->while_open = true;
+					failed_open = true;
+				}
+				cf++;
+				if (failing_since == 0)
+					failing_since = it->finished_at;
+				if (!open && cf >= d->failure_threshold)
+				{
+					open = true;
+					opened = true;
+				}
+			}
+			if (it->retry_after_ms >= 0)
+			{
+				TimestampTz until = it->finished_at +
+					Min(it->retry_after_ms, d->backoff_cap_ms) * 1000;
+
+				it->retry_at = until;
+				paced_until = Max(paced_until, until);
+			}
+		}
+		if (d == NULL)
+			continue;			/* cannot happen: we asked for its id */
+
+		if (open && (opened || failed_open))
+		{
+			int			k = Min(Max(cf - d->failure_threshold, 0), 30);
+			double		wait = Min((double) d->backoff_base_ms * pow(2.0, k),
+								   (double) d->backoff_cap_ms);
+
+			next_probe = Max(now + (int64) wait * 1000, paced_until);
+		}
+		/* Failures while open wait for the next probe. */
+		for (int i = 0; i < n; i++)
+			if (items[i]->dest != NULL && items[i]->dest->id == id && items[i]->while_open)
+				items[i]->retry_at = Max(next_probe, items[i]->retry_at);
+
+		circuits[r] = CStringGetTextDatum(open ? "open" : "closed");
+		failures[r] = Int32GetDatum(cf);
+		since[r] = TimestampTzGetDatum(failing_since);
+		since_nulls[r] = (failing_since == 0);
+		probes[r] = TimestampTzGetDatum(next_probe);
+		probe_nulls[r] = !open || next_probe == 0;
+		paces[r] = TimestampTzGetDatum(paced_until);
+		pace_nulls[r] = (paced_until == 0);
+		why_nulls[r] = true;
+		whys[r] = (Datum) 0;
+		if (open && failed && failing_since != 0 &&
+			now - failing_since >= d->disable_after_ms * 1000)
+		{
+			whys[r] = CStringGetTextDatum(psprintf("failing since %s, longer than disable_after (%lld ms); last error: %s",
+												   timestamptz_to_str(failing_since),
+												   (long long) d->disable_after_ms,
+												   last_error ? last_error : "?"));
+			why_nulls[r] = false;
+			ereport(LOG,
+					(errmsg("outbox destination \"%s\" disabled: it has failed since %s, longer than its disable_after",
+							d->name, timestamptz_to_str(failing_since)),
+					 errhint("Resume it with idem_destination_resume() once the endpoint is back.")));
+		}
+		else if (opened)
+			ereport(LOG,
+					(errmsg("outbox destination \"%s\": circuit open after %d consecutive failures",
+							d->name, cf),
+					 errdetail("One probe request at a time tests the endpoint; a success closes the circuit.")));
+	}
+
+	plan = relay_prepare(&state_write_plan,
+						 "UPDATE idempotency.destinations t"
+						 "   SET circuit = u.circuit, consecutive_failures = u.failures,"
+						 "       failing_since = u.since, next_probe_at = u.probe, paced_until = u.pace,"
+						 "       disabled_at = CASE WHEN u.why IS NOT NULL AND t.disabled_at IS NULL"
+						 "                          THEN $8 ELSE t.disabled_at END,"
+						 "       disabled_reason = CASE WHEN u.why IS NOT NULL AND t.disabled_at IS NULL"
+						 "                              THEN u.why ELSE t.disabled_reason END"
+						 "  FROM unnest($1::int4[], $2::text[], $3::int4[], $4::timestamptz[],"
+						 "              $5::timestamptz[], $6::timestamptz[], $7::text[])"
+						 "       AS u(id, circuit, failures, since, probe, pace, why)"
+						 " WHERE t.id = u.id",
+						 8, argtypes);
+	values[0] = relay_array(ids, NULL, nrows, INT4OID);
+	values[1] = relay_array(circuits, NULL, nrows, TEXTOID);
+	values[2] = relay_array(failures, NULL, nrows, INT4OID);
+	values[3] = relay_array(since, since_nulls, nrows, TIMESTAMPTZOID);
+	values[4] = relay_array(probes, probe_nulls, nrows, TIMESTAMPTZOID);
+	values[5] = relay_array(paces, pace_nulls, nrows, TIMESTAMPTZOID);
+	values[6] = relay_array(whys, why_nulls, nrows, TEXTOID);
+	values[7] = TimestampTzGetDatum(now);
+	if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_UPDATE)
+		elog(ERROR, "could not record the state of outbox destinations");
+}
+
+/*
+ * Claims of deliveries to destinations whose circuit is open are probes:
+ * one at a time, whichever relay claims it.  The first relay to claim one
+ * moves next_probe_at to the probe's visibility deadline; a probe claimed
+ * meanwhile by another relay (or a second one in this claim) is given back.
+ */
+static void
+relay_claim_probes(RelayItem **items, int n, TimestampTz now)
+{
+	for (int i = 0; i < n; i++)
+	{
+		RelayItem  *it = items[i];
+		Oid			argtypes[3] = {INT4OID, TIMESTAMPTZOID, TIMESTAMPTZOID};
+		Datum		values[3];
+		SPIPlanPtr	plan;
+
+		if (it->dest == NULL || it->dest->kind != DEST_HTTP || !it->dest->circuit_open ||
+			it->outcome != RELAY_PENDING || it->chain_held)
+			continue;
+		plan = relay_prepare(&probe_plan,
+							 "UPDATE idempotency.destinations SET next_probe_at = $3"
+							 " WHERE id = $1 AND circuit = 'open' AND next_probe_at <= $2",
+							 3, argtypes);
+		values[0] = Int32GetDatum(it->dest_id);
+		values[1] = TimestampTzGetDatum(now);
+		values[2] = TimestampTzGetDatum(it->claimed_until);
+		if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_UPDATE)
+			elog(ERROR, "could not claim a probe of an outbox destination");
+		if (SPI_processed == 0)
+		{
+			it->outcome = RELAY_RELEASED;
+			it->finished_at = now;
+			relay_release_chain(it);
+		}
+	}
+}
+
 /* Record the outcomes of items, and again those of successes a race made us miss. */
 static void
 relay_record_all(RelayItem **items, int n, RelayItem **missed)
 {
-	int			nmissed = relay_record(items, n, missed);
+	int			nmissed;
+
+	relay_endpoint_states(items, n);
+	nmissed = relay_record(items, n, missed);
 
 	for (int retry = 0; nmissed > 0 && retry < 2; retry++)
 		nmissed = relay_record(missed, nmissed, missed);
@@ -1334,6 +1734,7 @@ relay_pass(int max_events)
 		TimestampTz claimed_at = GetCurrentTimestamp();
 		TimestampTz claimed_until = 0;
 		RelayLease	lease;
+		RelayRooms	rooms;
 
 		/* Step 1: claim. */
 		if (!relay_step_begin(&step, "idempotency relay: claim", true))
@@ -1343,8 +1744,15 @@ relay_pass(int max_events)
 			relay_step_end(&step);
 			goto done;
 		}
-		n = relay_claim(max_events, claimed_at, passcxt, &items);
+		memset(&rooms, 0, sizeof(rooms));
+		rooms.http_room = max_events;
+		/* HTTP requests go out in waves of http_max_in_flight(). */
+		n = relay_claim(max_events, (max_events + http_max_in_flight() - 1) / http_max_in_flight(),
+						&rooms, claimed_at, passcxt, &items);
 		dests = relay_load_dests(passcxt);
+		for (int i = 0; i < n; i++)
+			items[i]->dest = relay_find_dest(dests, items[i]->dest_id);
+		relay_claim_probes(items, n, claimed_at);
 		relay_step_end(&step);
 		if (n == 0)
 			goto done;
@@ -1354,10 +1762,11 @@ relay_pass(int max_events)
 		{
 			RelayItem  *it = items[i];
 
-			it->dest = relay_find_dest(dests, it->dest_id);
 			/* Dropped since: its deliveries are gone with it. */
 			if (it->dest == NULL)
 				it->outcome = RELAY_SKIPPED;
+			else if (it->outcome == RELAY_RELEASED)
+				http_items[nhttp++] = it;	/* a probe given back */
 			else if (it->dest->kind == DEST_HTTP)
 				http_items[nhttp++] = it;
 			else
@@ -1487,6 +1896,449 @@ relay_run(int max_events)
 	return relay_pass(max_events);
 }
 
+/*
+ * The worker's relay loop (see relay.h): requests stay in flight from one
+ * iteration to the next, and nothing waits for a whole batch.
+ *
+ * Each claim's memory (its deliveries, its copy of the destinations, the
+ * requests' strings) is a RelayBatch, freed when the last of its webhooks
+ * is recorded.  held lists the claimed webhooks whose outcome is not
+ * recorded yet: the front of each chain is in flight, the rest of the chain
+ * waits behind it (chain_held).  done lists the outcomes to record.
+ */
+typedef struct RelayBatch
+{
+	MemoryContext cxt;
+	int			live;			/* its webhooks in held */
+} RelayBatch;
+
+static struct
+{
+	MemoryContext cxt;
+	RelayItem **held;
+	int			nheld;
+	int			held_size;
+	RelayItem **done;
+	int			ndone;
+	int			done_size;
+} relay_loop;
+
+/* Append it to one of the loop's arrays, growing it as needed. */
+static void
+relay_loop_push(RelayItem ***array, int *len, int *size, RelayItem *it)
+{
+	if (*len == *size)
+	{
+		*size = Max(64, *size * 2);
+		*array = *array ? repalloc(*array, sizeof(RelayItem *) * *size)
+			: MemoryContextAlloc(relay_loop.cxt, sizeof(RelayItem *) * *size);
+	}
+	(*array)[(*len)++] = it;
+}
+
+/* A held webhook leaves the loop: its batch goes when it was the last. */
+static void
+relay_loop_release_batch(RelayItem *it)
+{
+	RelayBatch *batch = it->batch;
+
+	if (batch != NULL && --batch->live == 0)
+	{
+		MemoryContextDelete(batch->cxt);
+		pfree(batch);
+	}
+}
+
+/* Start a webhook's request, its strings in its batch's memory. */
+static void
+relay_loop_start(RelayItem *it)
+{
+	MemoryContext old = MemoryContextSwitchTo(((RelayBatch *) it->batch)->cxt);
+
+	http_async_start(it);
+	MemoryContextSwitchTo(old);
+}
+
+/*
+ * A webhook's request completed: its outcome is to be recorded, and the next
+ * delivery of its key goes now (its predecessor was delivered) or never (it
+ * is given back).
+ */
+static void
+relay_loop_finished(RelayItem *it)
+{
+	relay_loop_push(&relay_loop.done, &relay_loop.ndone, &relay_loop.done_size, it);
+	if (it->outcome == RELAY_DELIVERED && it->chain_next != NULL &&
+		it->chain_next->outcome == RELAY_PENDING)
+	{
+		it->chain_next->chain_held = false;
+		relay_loop_start(it->chain_next);
+		return;
+	}
+	for (RelayItem *next = it->chain_next; next != NULL; next = next->chain_next)
+		if (next->outcome == RELAY_PENDING)
+		{
+			next->outcome = RELAY_RELEASED;
+			relay_loop_push(&relay_loop.done, &relay_loop.ndone, &relay_loop.done_size, next);
+		}
+}
+
+/* Drop from held what is no longer pending (recorded, or not ours any more). */
+static void
+relay_loop_compact(void)
+{
+	int			k = 0;
+
+	for (int i = 0; i < relay_loop.nheld; i++)
+	{
+		RelayItem  *it = relay_loop.held[i];
+
+		if (it->outcome == RELAY_PENDING)
+			relay_loop.held[k++] = it;
+		else
+			relay_loop_release_batch(it);
+	}
+	relay_loop.nheld = k;
+}
+
+/*
+ * Record the outcomes in done, in one short transaction for all that
+ * completed together; disable the destinations that answered 410.
+ */
+static int64
+relay_loop_record(void)
+{
+	RelayStep	step;
+	RelayItem **missed;
+	int64		attempted = 0;
+	int			n = relay_loop.ndone;
+
+	if (n == 0)
+		return 0;
+	step.own_xact = true;
+	if (!relay_step_begin(&step, "idempotency relay: record", false))
+		return 0;				/* the outbox is gone: so are the deliveries */
+	missed = palloc(sizeof(RelayItem *) * n);
+	relay_record_all(relay_loop.done, n, missed);
+	for (int i = 0; i < n; i++)
+	{
+		RelayItem  *it = relay_loop.done[i];
+
+		if (it->dest != NULL && it->dest->disable_reason != NULL)
+		{
+			List	   *one = list_make1(it->dest);
+
+			relay_disable(one);
+			it->dest->disable_reason = NULL;
+		}
+	}
+	relay_step_end(&step);
+	for (int i = 0; i < n; i++)
+		if (relay_loop.done[i]->outcome == RELAY_DELIVERED ||
+			relay_loop.done[i]->outcome == RELAY_FAILED)
+			attempted++;
+	relay_loop.ndone = 0;
+	return attempted;
+}
+
+/*
+ * The chains the loop holds per destination (arrays in the current memory
+ * context), for the claim's rooms; returns the total.
+ */
+static int
+relay_loop_active(RelayRooms *rooms)
+{
+	int			total = 0;
+
+	memset(rooms, 0, sizeof(*rooms));
+	rooms->limit = true;
+	for (int i = 0; i < relay_loop.nheld; i++)
+	{
+		RelayItem  *it = relay_loop.held[i];
+
+		if (it->outcome == RELAY_PENDING && !it->chain_held)
+		{
+			relay_rooms_take(rooms, &it, 0, 1);
+			total++;
+		}
+	}
+	rooms->http_room = http_max_in_flight() - total;
+	return total;
+}
+
+/*
+ * Claim what may go now and act on it: webhooks start (and stay in flight),
+ * function and notify deliveries are made in a transaction of their own,
+ * exactly as a pass makes them.  Returns the deliveries claimed; *attempted
+ * grows by the in-database deliveries attempted.
+ */
+static int
+relay_loop_claim(int max_events, int64 *attempted)
+{
+	RelayStep	step;
+	RelayRooms	rooms;
+	RelayBatch *batch;
+	RelayItem **items;
+	RelayItem **local;
+	RelayItem **missed;
+	int			n;
+	int			nlocal = 0;
+	bool		any_local;
+	TimestampTz now = GetCurrentTimestamp();
+	MemoryContext old;
+
+	step.own_xact = true;
+	if (!relay_step_begin(&step, "idempotency relay: claim", true))
+		return 0;
+	if (!relay_schema_current(true))
+	{
+		relay_step_end(&step);
+		return 0;
+	}
+	batch = MemoryContextAllocZero(relay_loop.cxt, sizeof(RelayBatch));
+	batch->cxt = AllocSetContextCreate(relay_loop.cxt, "outbox relay claim",
+									   ALLOCSET_DEFAULT_SIZES);
+	(void) relay_loop_active(&rooms);
+	n = relay_claim(max_events, 1, &rooms, now, batch->cxt, &items);
+	if (n > 0)
+	{
+		List	   *dests = relay_load_dests(batch->cxt);
+
+		for (int i = 0; i < n; i++)
+		{
+			items[i]->dest = relay_find_dest(dests, items[i]->dest_id);
+			items[i]->batch = batch;
+		}
+		relay_claim_probes(items, n, now);
+	}
+	relay_step_end(&step);
+
+	local = MemoryContextAlloc(batch->cxt, sizeof(RelayItem *) * Max(n, 1));
+	for (int i = 0; i < n; i++)
+	{
+		RelayItem  *it = items[i];
+
+		/* Its last allowed attempt was interrupted: dead, not attempted again. */
+		if (it->dest != NULL && it->outcome == RELAY_PENDING && it->interrupted &&
+			it->attempts > it->dest->max_attempts)
+		{
+			char		why[160];
+
+			snprintf(why, sizeof(why),
+					 "not attempted again: its last attempt (%d of max_attempts %d) was interrupted before its outcome was recorded",
+					 it->attempts - 1, it->dest->max_attempts);
+			relay_fail(it, batch->cxt, 0, why);
+			it->outcome = RELAY_ABANDONED;
+			relay_release_chain(it);
+		}
+	}
+	for (int i = 0; i < n; i++)
+	{
+		RelayItem  *it = items[i];
+
+		if (it->dest == NULL)
+			it->outcome = RELAY_SKIPPED;	/* dropped since, with its deliveries */
+		else if (it->outcome != RELAY_PENDING || it->dest->kind != DEST_HTTP)
+			local[nlocal++] = it;
+		else
+		{
+			relay_loop_push(&relay_loop.held, &relay_loop.nheld, &relay_loop.held_size, it);
+			batch->live++;
+		}
+	}
+	/* The fronts of the chains go now. */
+	for (int i = 0; i < n; i++)
+		if (items[i]->dest != NULL && items[i]->dest->kind == DEST_HTTP &&
+			items[i]->outcome == RELAY_PENDING && !items[i]->chain_held)
+			relay_loop_start(items[i]);
+
+	if (nlocal > 0)
+	{
+		/* As a pass's step 3b: the effect and the mark commit together. */
+		if (relay_step_begin(&step, "idempotency relay: deliver", false))
+		{
+			old = MemoryContextSwitchTo(batch->cxt);
+			missed = palloc(sizeof(RelayItem *) * nlocal);
+			MemoryContextSwitchTo(old);
+			relay_relock(local, nlocal, &any_local);
+			if (any_local)
+			{
+				ConstraintsSetStmt *immediate = makeNode(ConstraintsSetStmt);
+
+				relay_watch_cancel();
+				immediate->constraints = NIL;
+				immediate->deferred = false;
+				AfterTriggerSetState(immediate);
+			}
+			/* On error, relay_loop_run gives SIGINT back. */
+			for (int i = 0; any_local && i < nlocal; i++)
+			{
+				RelayItem  *it = local[i];
+
+				CHECK_FOR_INTERRUPTS();
+				if (it->outcome != RELAY_PENDING)
+					continue;
+				if (it->dest->kind == DEST_NOTIFY)
+					relay_notify(it);
+				else if (it->dest->kind == DEST_FUNCTION)
+					relay_call_function(it, batch->cxt);
+				if (it->outcome != RELAY_DELIVERED)
+					relay_release_chain(it);
+			}
+			relay_unwatch_cancel();
+			relay_record_all(local, nlocal, missed);
+			relay_step_end(&step);
+			for (int i = 0; i < nlocal; i++)
+				if (local[i]->outcome == RELAY_DELIVERED || local[i]->outcome == RELAY_FAILED)
+					(*attempted)++;
+		}
+	}
+	if (batch->live == 0)
+	{
+		MemoryContextDelete(batch->cxt);
+		pfree(batch);
+	}
+	return n;
+}
+
+/* Forget everything in flight (after an error): the claims expire and are taken again. */
+static void
+relay_loop_abandon(void)
+{
+	http_async_abandon();
+	for (int i = 0; i < relay_loop.nheld; i++)
+		relay_loop.held[i]->outcome = RELAY_SKIPPED;
+	relay_loop.ndone = 0;
+	relay_loop_compact();
+}
+
+/* See relay.h. */
+int64
+relay_loop_run(int max_events, TimestampTz *wake_at, bool *full)
+{
+	int64		attempted = 0;
+	MemoryContext entrycxt = CurrentMemoryContext;
+
+	*full = false;
+	*wake_at = 0;
+	if (RecoveryInProgress() || DefaultXactReadOnly)
+		return 0;
+	if (relay_loop.cxt == NULL)
+		relay_loop.cxt = AllocSetContextCreate(TopMemoryContext, "outbox relay loop",
+											   ALLOCSET_DEFAULT_SIZES);
+	if (relay_pass_running)
+		elog(ERROR, "a relay loop cannot run inside a relay pass");
+	relay_pass_running = true;
+	PG_TRY();
+	{
+		List	   *finished;
+		ListCell   *lc;
+		TimestampTz now;
+		TimestampTz renew_at = 0;
+		TimestampTz due;
+		int			claimed;
+		int32	   *full_ids;
+		int			nfull = 0;
+		RelayRooms	rooms;
+
+		/* (a) The requests that completed, recorded together. */
+		finished = http_async_collect();
+		foreach(lc, finished)
+			relay_loop_finished(lfirst(lc));
+		list_free(finished);
+		attempted += relay_loop_record();
+		relay_loop_compact();
+
+		/* Claims that would expire before their outcome comes are renewed. */
+		now = GetCurrentTimestamp();
+		for (int i = 0; i < relay_loop.nheld; i++)
+		{
+			RelayItem  *it = relay_loop.held[i];
+			int64		half = ((int64) relay_visibility_margin + it->dest->timeout_ms) * 500;
+
+			if (renew_at == 0 || it->claimed_until - half < renew_at)
+				renew_at = it->claimed_until - half;
+		}
+		if (renew_at != 0 && now >= renew_at)
+		{
+			RelayLease	lease = {true, 0, 0};
+
+			relay_renew_claims(relay_loop.held, relay_loop.nheld, &lease);
+			for (int i = 0; i < relay_loop.nheld; i++)
+				if (relay_loop.held[i]->outcome == RELAY_RELEASED)
+					relay_loop_push(&relay_loop.done, &relay_loop.ndone, &relay_loop.done_size,
+									relay_loop.held[i]);
+			attempted += relay_loop_record();
+			relay_loop_compact();
+			renew_at = 0;
+			for (int i = 0; i < relay_loop.nheld; i++)
+			{
+				RelayItem  *it = relay_loop.held[i];
+				int64		half = ((int64) relay_visibility_margin + it->dest->timeout_ms) * 500;
+
+				if (renew_at == 0 || it->claimed_until - half < renew_at)
+					renew_at = it->claimed_until - half;
+			}
+		}
+
+		/* (b, c) Claim for the destinations with room. */
+		claimed = relay_loop_claim(max_events, &attempted);
+		*full = claimed >= max_events;
+
+		/* (d) When to come back, besides a socket, a timer of libcurl or the latch. */
+		if (*full)
+			*wake_at = GetCurrentTimestamp();
+		else
+		{
+			(void) relay_loop_active(&rooms);
+			full_ids = palloc(sizeof(int32) * Max(rooms.n, 1));
+			for (int i = 0; i < rooms.n; i++)
+			{
+				RelayDest  *d = NULL;
+
+				for (int j = 0; j < relay_loop.nheld && d == NULL; j++)
+					if (relay_loop.held[j]->dest_id == rooms.ids[i])
+						d = relay_loop.held[j]->dest;
+				if (rooms.http_room <= 0 ||
+					(d != NULL && rooms.active[i] >= (d->circuit_open ? 1 : d->max_in_flight)))
+					full_ids[nfull++] = rooms.ids[i];
+			}
+			due = relay_next_due_except(full_ids, nfull);
+			/* Due, but nothing could be claimed (held behind its key, or locked). */
+			if (due != 0 && claimed == 0 && due <= GetCurrentTimestamp())
+				due = TimestampTzPlusMilliseconds(GetCurrentTimestamp(), RELAY_LOOP_MIN_NAP_MS);
+			*wake_at = due;
+			if (renew_at != 0 && (*wake_at == 0 || renew_at < *wake_at))
+				*wake_at = renew_at;
+		}
+	}
+	PG_CATCH();
+	{
+		relay_pass_running = false;
+		relay_unwatch_cancel();
+		relay_loop_abandon();
+		PG_RE_THROW();
+	}
+	PG_END_TRY();
+	relay_pass_running = false;
+	MemoryContextSwitchTo(entrycxt);
+	return attempted;
+}
+
+/* See relay.h. */
+void
+relay_loop_wait(long timeout_ms, uint32 wait_event_info)
+{
+	http_async_wait(timeout_ms, wait_event_info);
+}
+
+/* See relay.h. */
+int
+relay_loop_in_flight(void)
+{
+	return http_async_in_flight();
+}
+
 /* See relay.h. */
 bool
 bgworker_run_guarded(const char *what, void (*unit) (void *arg), void *arg)
@@ -1517,15 +2369,24 @@ bgworker_run_guarded(const char *what, void (*unit) (void *arg), void *arg)
 	return ok;
 }
 
-/* See relay.h. */
-TimestampTz
-relay_next_due(void)
+/*
+ * When the relay next has work: the earliest next_attempt_at of a pending
+ * delivery of an active destination that may be claimed now (neither paced
+ * by Retry-After nor with an open circuit waiting for its probe time, nor
+ * among the nfull destinations in full, whose requests are all in flight),
+ * or the end of such a wait; 0 if none.
+ */
+static TimestampTz
+relay_next_due_except(int32 *full, int nfull)
 {
 	RelayStep	step;
 	TimestampTz due = 0;
 	SPIPlanPtr	plan;
 	int			save_nestlevel;
 	int			rc;
+	Oid			argtypes[2] = {TIMESTAMPTZOID, INT4ARRAYOID};
+	Datum		values[2];
+	Datum	   *ids;
 
 	if (RecoveryInProgress())
 		return 0;
@@ -1533,15 +2394,30 @@ relay_next_due(void)
 	if (!relay_step_begin(&step, "idempotency relay: next due", true))
 		return 0;
 	plan = relay_prepare(&next_due_plan,
-						 "SELECT min(d.next_attempt_at)"
-						 "  FROM idempotency.deliveries d"
-						 " WHERE d.state = 'pending'"
-						 "   AND d.destination_id = ANY (ARRAY("
-						 "        SELECT t.id FROM idempotency.destinations t"
-						 "         WHERE NOT t.paused AND t.disabled_at IS NULL))",
-						 0, NULL);
+						 "SELECT least("
+						 " (SELECT min(d.next_attempt_at)"
+						 "    FROM idempotency.deliveries d"
+						 "   WHERE d.state = 'pending'"
+						 "     AND d.destination_id = ANY (ARRAY("
+						 "          SELECT t.id FROM idempotency.destinations t"
+						 "           WHERE NOT t.paused AND t.disabled_at IS NULL"
+						 "             AND (t.paced_until IS NULL OR t.paced_until <= $1)"
+						 "             AND (t.circuit <> 'open' OR t.next_probe_at <= $1)"
+						 "             AND t.id <> ALL ($2)))),"
+						 " (SELECT min(greatest(t.paced_until,"
+						 "                      CASE WHEN t.circuit = 'open' THEN t.next_probe_at END))"
+						 "    FROM idempotency.destinations t"
+						 "   WHERE NOT t.paused AND t.disabled_at IS NULL"
+						 "     AND (t.paced_until > $1 OR (t.circuit = 'open' AND t.next_probe_at > $1))"
+						 "     AND t.id <> ALL ($2)))",
+						 2, argtypes);
+	ids = palloc(sizeof(Datum) * Max(nfull, 1));
+	for (int i = 0; i < nfull; i++)
+		ids[i] = Int32GetDatum(full[i]);
+	values[0] = TimestampTzGetDatum(GetCurrentTimestamp());
+	values[1] = relay_array(ids, NULL, nfull, INT4OID);
 	save_nestlevel = relay_plan_settings();
-	rc = SPI_execute_plan(plan, NULL, NULL, true, 1);
+	rc = SPI_execute_plan(plan, values, NULL, true, 1);
 	AtEOXact_GUC(true, save_nestlevel);
 	if (rc != SPI_OK_SELECT)
 		elog(ERROR, "could not read the outbox schedule");
@@ -1549,6 +2425,13 @@ relay_next_due(void)
 		due = DatumGetTimestampTz(spi_value(SPI_tuptable->vals[0], 1, TimestampTzGetDatum(0)));
 	relay_step_end(&step);
 	return due;
+}
+
+/* See relay.h. */
+TimestampTz
+relay_next_due(void)
+{
+	return relay_next_due_except(NULL, 0);
 }
 
 /* Run one cleanup statement with (cutoff, batch); returns the rows removed. */

@@ -32,6 +32,34 @@
 extern int64 relay_run(int max_events);
 
 /*
+ * One iteration of the worker's relay loop, outside any transaction:
+ * record the outcomes of the webhooks whose requests completed (one short
+ * transaction for all that completed together), renew claims that would
+ * expire first, then claim what may go now -- for each 'http' destination
+ * up to its max_in_flight chains of requests, all of them below
+ * idempotency.relay_max_in_flight, none for a destination paced by
+ * Retry-After or whose open circuit is not due for a probe -- start those
+ * webhooks, and make the function and notify deliveries in a transaction of
+ * their own.  Webhooks stay in flight after it returns: a slow endpoint
+ * holds up nothing but its own deliveries.  *full says the claim took
+ * max_events (call again at once); *wake_at is when to come back at the
+ * latest (0: when woken), besides what relay_loop_wait waits for.  Returns
+ * the deliveries attempted.  On error, every request in flight is
+ * abandoned (their claims expire) and the error propagates.
+ */
+extern int64 relay_loop_run(int max_events, TimestampTz *wake_at, bool *full);
+
+/*
+ * Sleep at most timeout_ms, until a request of the loop has news (a socket
+ * is ready, or one of libcurl's timers is due) or the latch is set (reset
+ * here): the worker's wait between iterations.
+ */
+extern void relay_loop_wait(long timeout_ms, uint32 wait_event_info);
+
+/* Requests of the relay loop in flight. */
+extern int	relay_loop_in_flight(void);
+
+/*
  * Run unit(arg), a piece of a background worker's work (a relay pass, a
  * cleanup pass), so that an error ends only that piece: the error is
  * logged with what as its context, the transaction is aborted, and false

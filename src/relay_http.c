@@ -56,8 +56,10 @@
 #endif
 
 #include "common/base64.h"
+#include "lib/ilist.h"
 #include "miscadmin.h"
 #include "storage/fd.h"
+#include "storage/latch.h"
 #include "utils/builtins.h"
 #include "utils/guc.h"
 #include "utils/memutils.h"
@@ -110,13 +112,24 @@ static int	n_spare_handles = 0;
 /* One request in flight. */
 typedef struct HttpRequest
 {
+	dlist_node	node;			/* in async_requests, for the relay loop's requests */
 	RelayItem  *item;
 	CURL	   *easy;
 	struct curl_slist *headers;
 	char		errbuf[CURL_ERROR_SIZE];
 	char		refusal[256];	/* why a connection was refused, or "" */
 	bool		no_fd;			/* refused: no file descriptor to spare */
+	bool		retried_fd;		/* retried once after closing idle connections */
 } HttpRequest;
+
+/*
+ * The relay loop's requests (http_async_*): on the multi handle, and
+ * waiting for a file descriptor; async_in_flight counts both.
+ */
+static dlist_head async_requests = DLIST_STATIC_INIT(async_requests);
+static dlist_head async_waiting = DLIST_STATIC_INIT(async_waiting);
+static int	async_in_flight = 0;
+static MemoryContext async_cxt = NULL;
 
 /* Initialise libcurl once per backend. */
 static void
@@ -150,7 +163,8 @@ http_multi(void)
 {
 	http_init();
 	/* Connections made under another allowlist: close them all. */
-	if (multi != NULL && multi_generation != http_allowlist_generation)
+	if (multi != NULL && multi_generation != http_allowlist_generation &&
+		dlist_is_empty(&async_requests))
 		http_multi_close();
 	if (multi == NULL)
 	{
@@ -173,12 +187,14 @@ http_multi(void)
  * How many requests the relay has in flight at most, and connections kept
  * alive: idempotency.relay_max_in_flight, but no more than the file
  * descriptors PostgreSQL lets this backend hold besides its own files (a
- * third of max_safe_fds, as AcquireExternalFD allows).
+ * third of max_safe_fds, as AcquireExternalFD allows), less the multi
+ * handle's wake-up pair and the descriptor of the relay loop's wait
+ * (http_async_wait).
  */
 int
 http_max_in_flight(void)
 {
-	return Max(1, Min(relay_max_in_flight, max_safe_fds / 3));
+	return Max(1, Min(relay_max_in_flight, max_safe_fds / 3 - 3));
 }
 
 /*
@@ -809,7 +825,9 @@ http_start(CURLM *m, HttpRequest *req)
 	curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t) body_len);
 	curl_easy_setopt(e, CURLOPT_HTTPHEADER, h);
 	curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, (long) d->timeout_ms);
-	curl_easy_setopt(e, CURLOPT_USERAGENT, "idempotency-relay/1.1");
+	/* Connecting has a shorter limit of its own, within the total. */
+	curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS, (long) Min(d->connect_timeout_ms, d->timeout_ms));
+	curl_easy_setopt(e, CURLOPT_USERAGENT, "idempotency-relay/1.3");
 	curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, http_discard);
 	curl_easy_setopt(e, CURLOPT_ERRORBUFFER, req->errbuf);
 	curl_easy_setopt(e, CURLOPT_PRIVATE, req);
@@ -839,6 +857,44 @@ http_finish(CURLM *m, HttpRequest *req)
 	}
 }
 
+/*
+ * The delay a 429 or 503 answer asks for with Retry-After, in milliseconds,
+ * or -1 if it has none that parses: delta-seconds, or an HTTP-date (which
+ * curl_getdate reads; a date in the past asks for no delay).
+ */
+static int64
+http_retry_after_ms(CURL *easy)
+{
+	struct curl_header *h = NULL;
+	const char *v;
+	char	   *end;
+	long long	secs;
+	time_t		when;
+
+	if (curl_easy_header(easy, "Retry-After", 0, CURLH_HEADER, -1, &h) != CURLHE_OK ||
+		h == NULL || h->value == NULL)
+		return -1;
+	v = h->value;
+	while (*v == ' ' || *v == '\t')
+		v++;
+	if (*v >= '0' && *v <= '9')
+	{
+		errno = 0;
+		secs = strtoll(v, &end, 10);
+		while (*end == ' ' || *end == '\t')
+			end++;
+		if (errno != 0 || *end != '\0')
+			return -1;
+		/* Over a year is as good as the cap. */
+		return Min(secs, 366LL * 86400) * 1000;
+	}
+	when = curl_getdate(v, NULL);
+	if (when == (time_t) -1)
+		return -1;
+	secs = (long long) when - (long long) time(NULL);
+	return Min(Max(secs, 0), 366LL * 86400) * 1000;
+}
+
 /* Record what a finished request means for its delivery. */
 static void
 http_outcome(HttpRequest *req, CURLcode result)
@@ -847,6 +903,7 @@ http_outcome(HttpRequest *req, CURLcode result)
 	long		status = 0;
 
 	it->finished_at = GetCurrentTimestamp();
+	it->retry_after_ms = -1;
 	if (result != CURLE_OK)
 	{
 		it->outcome = RELAY_FAILED;
@@ -866,12 +923,17 @@ http_outcome(HttpRequest *req, CURLcode result)
 		it->error = psprintf("HTTP status %ld", status);
 		if (status == 410 && it->dest->disable_reason == NULL)
 			it->dest->disable_reason = "the endpoint answered 410 Gone";
+		if (status == 429 || status == 503)
+			it->retry_after_ms = http_retry_after_ms(req->easy);
 	}
 }
 
 /*
  * Deliver every pending item of kind 'http' in items, at most
- * http_max_in_flight() at a time, and set each one's outcome.
+ * http_max_in_flight() at a time and at most its destination's
+ * max_in_flight to one destination, and set each one's outcome.  This is
+ * the synchronous delivery of idem_outbox_relay() and of relay_run's
+ * passes; the worker's relay loop uses http_async_* instead.
  * The deliveries of one key to one destination go one after the other: each
  * starts when its predecessor is delivered, and is released (not sent) if
  * the predecessor fails.  While requests are under way, the pass's claims
@@ -921,7 +983,12 @@ http_deliver(RelayItem **items, int nitems, RelayLease *lease)
 			if (lease->renewable && GetCurrentTimestamp() >= lease->renew_at)
 				relay_renew_claims(items, nitems, lease);
 
-			while (in_flight < max_in_flight && ready_len > 0)
+			/*
+			 * Start what may go, each destination within its max_in_flight:
+			 * a request to a destination at its limit goes back to the end
+			 * of the ring (each is looked at once per round).
+			 */
+			for (int looked = ready_len; looked > 0 && in_flight < max_in_flight && ready_len > 0; looked--)
 			{
 				HttpRequest *req = &reqs[ready[ready_head++ % nitems]];
 
@@ -929,7 +996,13 @@ http_deliver(RelayItem **items, int nitems, RelayLease *lease)
 				/* Taken over after all (see relay_renew_claims): not ours to send. */
 				if (req->item->outcome != RELAY_PENDING)
 					continue;
+				if (req->item->dest->in_flight >= req->item->dest->max_in_flight)
+				{
+					READY_PUSH(req->item->http_slot);
+					continue;
+				}
 				http_start(m, req);
+				req->item->dest->in_flight++;
 				in_flight++;
 			}
 
@@ -946,6 +1019,7 @@ http_deliver(RelayItem **items, int nitems, RelayLease *lease)
 					continue;
 				curl_easy_getinfo(msg->easy_handle, CURLINFO_PRIVATE, (char **) &req);
 				in_flight--;
+				req->item->dest->in_flight--;
 
 				/* No descriptor for a new connection: try again once one is free. */
 				if (req->no_fd && msg->data.result != CURLE_OK &&
@@ -978,8 +1052,7 @@ http_deliver(RelayItem **items, int nitems, RelayLease *lease)
 				m = http_multi();
 				closed_idle = true;
 			}
-			if (in_flight > 0 &&
-				(ready_len == 0 || in_flight >= max_in_flight))
+			if (in_flight > 0)
 			{
 				int			numfds;
 
@@ -1002,4 +1075,215 @@ http_deliver(RelayItem **items, int nitems, RelayLease *lease)
 #undef READY_PUSH
 	pfree(reqs);
 	pfree(ready);
+}
+
+/*
+ * The relay loop's requests (http_async_*).  The worker's relay never waits
+ * for a whole batch: its requests stay in flight on the backend's multi
+ * handle from one iteration of its loop to the next, and each iteration
+ * collects those that completed.  A request that found no file descriptor
+ * to spare waits in async_waiting until another completes.
+ */
+
+/* Put a request on the multi handle. */
+static void
+http_async_launch(HttpRequest *req)
+{
+	http_start(http_multi(), req);
+	dlist_push_tail(&async_requests, &req->node);
+}
+
+/*
+ * Start the request of one claimed 'http' delivery, and return at once; its
+ * outcome comes back from http_async_collect.  Allocates the request's
+ * strings in the current memory context (the delivery's batch).
+ */
+void
+http_async_start(RelayItem *it)
+{
+	HttpRequest *req;
+
+	if (async_cxt == NULL)
+		async_cxt = AllocSetContextCreate(TopMemoryContext, "outbox relay requests",
+										  ALLOCSET_SMALL_SIZES);
+	req = MemoryContextAllocZero(async_cxt, sizeof(HttpRequest));
+	req->item = it;
+	http_async_launch(req);
+	async_in_flight++;
+}
+
+/* Requests of the relay loop in flight (or waiting for a descriptor). */
+int
+http_async_in_flight(void)
+{
+	return async_in_flight;
+}
+
+/*
+ * Let libcurl work on the requests in flight, and return the deliveries
+ * whose request completed, with their outcome set (a List of RelayItem *,
+ * in the current memory context).  Never waits.  A request that found no
+ * file descriptor to spare waits until another completes; when none is in
+ * flight, idle connections are closed and it is tried once more.
+ */
+List *
+http_async_collect(void)
+{
+	CURLM	   *m;
+	List	   *done = NIL;
+	CURLMsg    *msg;
+	int			running;
+	int			left;
+	int			freed = 0;
+
+	if (async_in_flight == 0)
+		return NIL;
+	m = http_multi();
+	if (!dlist_is_empty(&async_requests) &&
+		curl_multi_perform(m, &running) != CURLM_OK)
+		ereport(ERROR,
+				(errcode(ERRCODE_INTERNAL_ERROR),
+				 errmsg("libcurl failed while sending webhooks")));
+	while ((msg = curl_multi_info_read(m, &left)) != NULL)
+	{
+		HttpRequest *req;
+
+		if (msg->msg != CURLMSG_DONE)
+			continue;
+		curl_easy_getinfo(msg->easy_handle, CURLINFO_PRIVATE, (char **) &req);
+		dlist_delete(&req->node);
+
+		if (req->no_fd && msg->data.result != CURLE_OK && !req->retried_fd)
+		{
+			http_finish(m, req);
+			req->item->sent = false;
+			dlist_push_tail(&async_waiting, &req->node);
+			continue;
+		}
+		async_in_flight--;
+		freed++;
+		http_outcome(req, msg->data.result);
+		http_finish(m, req);
+		done = lappend(done, req->item);
+		pfree(req);
+	}
+
+	/*
+	 * Requests waiting for a descriptor: one may go for each that completed;
+	 * with nothing else in flight, all of them, once, after closing the idle
+	 * connections (to other hosts, say), which hold descriptors too.
+	 */
+	if (!dlist_is_empty(&async_waiting) && dlist_is_empty(&async_requests))
+	{
+		dlist_iter	iter;
+
+		http_multi_close();
+		dlist_foreach(iter, &async_waiting)
+			dlist_container(HttpRequest, node, iter.cur)->retried_fd = true;
+		freed = async_in_flight;
+	}
+	for (; freed > 0 && !dlist_is_empty(&async_waiting); freed--)
+		http_async_launch(dlist_container(HttpRequest, node,
+										  dlist_pop_head_node(&async_waiting)));
+	return done;
+}
+
+/*
+ * Abandon every request of the relay loop (after an error): their claims
+ * stay, and are taken again after their visibility deadline.  The multi
+ * handle stays usable.
+ */
+void
+http_async_abandon(void)
+{
+	while (!dlist_is_empty(&async_requests))
+	{
+		HttpRequest *req = dlist_container(HttpRequest, node, dlist_pop_head_node(&async_requests));
+
+		http_finish(multi, req);
+		pfree(req);
+	}
+	while (!dlist_is_empty(&async_waiting))
+	{
+		HttpRequest *req = dlist_container(HttpRequest, node, dlist_pop_head_node(&async_waiting));
+
+		pfree(req);
+	}
+	async_in_flight = 0;
+}
+
+/*
+ * Sleep until a socket of a request in flight is ready, libcurl's next
+ * timer (a request's timeout) is due, the latch is set (a publishing
+ * commit, SIGHUP, SIGTERM) or timeout_ms has passed.  Returns at once when
+ * libcurl has work to do now.
+ */
+void
+http_async_wait(long timeout_ms, uint32 wait_event_info)
+{
+	fd_set		rd;
+	fd_set		wr;
+	fd_set		ex;
+	int			maxfd = -1;
+	long		curl_ms = -1;
+	int			nevents = 2;
+	WaitEventSet *set;
+	WaitEvent	events[8];
+	int			n;
+	volatile bool latch_set = false;
+	volatile long wait_ms;
+
+	if (async_in_flight > 0 && multi != NULL)
+	{
+		FD_ZERO(&rd);
+		FD_ZERO(&wr);
+		FD_ZERO(&ex);
+		if (curl_multi_fdset(multi, &rd, &wr, &ex, &maxfd) != CURLM_OK)
+			maxfd = -1;
+		(void) curl_multi_timeout(multi, &curl_ms);
+		if (curl_ms >= 0)
+			timeout_ms = Min(timeout_ms, curl_ms);
+		/* Sockets libcurl does not show (resolving, say): look again soon. */
+		if (maxfd < 0)
+			timeout_ms = Min(timeout_ms, HTTP_POLL_MS);
+		for (int fd = 0; fd <= maxfd; fd++)
+			if (FD_ISSET(fd, &rd) || FD_ISSET(fd, &wr))
+				nevents++;
+	}
+	if (timeout_ms <= 0)
+		return;
+	wait_ms = timeout_ms;
+
+#if PG_VERSION_NUM >= 170000
+	set = CreateWaitEventSet(NULL, nevents);
+#else
+	set = CreateWaitEventSet(CurrentMemoryContext, nevents);
+#endif
+	PG_TRY();
+	{
+		AddWaitEventToSet(set, WL_LATCH_SET, PGINVALID_SOCKET, MyLatch, NULL);
+		AddWaitEventToSet(set, WL_EXIT_ON_PM_DEATH, PGINVALID_SOCKET, NULL, NULL);
+		for (int fd = 0; fd <= maxfd; fd++)
+		{
+			uint32		ev = 0;
+
+			if (FD_ISSET(fd, &rd))
+				ev |= WL_SOCKET_READABLE;
+			if (FD_ISSET(fd, &wr))
+				ev |= WL_SOCKET_WRITEABLE;
+			if (ev != 0)
+				AddWaitEventToSet(set, ev, fd, NULL, NULL);
+		}
+		n = WaitEventSetWait(set, wait_ms, events, lengthof(events), wait_event_info);
+		for (int i = 0; i < n; i++)
+			if (events[i].events & WL_LATCH_SET)
+				latch_set = true;
+	}
+	PG_FINALLY();
+	{
+		FreeWaitEventSet(set);
+	}
+	PG_END_TRY();
+	if (latch_set)
+		ResetLatch(MyLatch);
 }

@@ -34,6 +34,14 @@ typedef struct RelayDest
 	int64		backoff_base_ms;
 	int64		backoff_cap_ms;
 	int64		timeout_ms;
+	int32		max_in_flight;	/* kind 'http': requests open at once */
+	int64		connect_timeout_ms; /* kind 'http': connecting, within timeout_ms */
+	int32		failure_threshold;	/* kind 'http': failures in a row that open the circuit */
+	int64		disable_after_ms;	/* kind 'http': open and failing this long: disabled */
+	bool		circuit_open;	/* as loaded: the circuit was open */
+	int32		consecutive_failures;	/* as loaded */
+	bool		paced;			/* as loaded: paced_until was set */
+	int			in_flight;		/* http_deliver: its requests under way */
 	FmgrInfo	flinfo;			/* kind 'function', once looked up */
 	bool		flinfo_ready;
 	char	   *disable_reason; /* set when the endpoint answered 410 Gone */
@@ -80,6 +88,11 @@ typedef struct RelayItem
 
 	TimestampTz claimed_until;	/* the visibility deadline the claim set */
 	bool		sent;			/* http: its request has started */
+	bool		is_http;		/* its destination was of kind 'http' when claimed */
+	void	   *batch;			/* relay.c's loop: the claim it came with */
+	int64		retry_after_ms; /* http: a 429 or 503 asked for this delay, or -1 */
+	bool		while_open;		/* http: failed while its destination's circuit was open */
+	TimestampTz retry_at;		/* http: when to try again, if not by backoff (0) */
 
 	RelayOutcome outcome;
 	int32		status;			/* HTTP status, 0 if none */
@@ -112,5 +125,10 @@ extern const char *http_check_url_host(const char *url);
 extern int	http_max_in_flight(void);
 extern bytea *http_decode_secret(const char *secret);
 extern void http_deliver(RelayItem **items, int nitems, RelayLease *lease);
+extern void http_async_start(RelayItem *it);
+extern int	http_async_in_flight(void);
+extern List *http_async_collect(void);
+extern void http_async_abandon(void);
+extern void http_async_wait(long timeout_ms, uint32 wait_event_info);
 
 #endif							/* IDEM_RELAY_HTTP_H */

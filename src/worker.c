@@ -104,12 +104,6 @@
 #define RELAY_SLICE_MS			1000
 
 /*
- * The shortest sleep when deliveries are due but none could be attempted
- * (held behind an earlier event of their key, or claimed by another relay).
- */
-#define RELAY_MIN_NAP_MS		1000
-
-/*
  * After an error, the relay waits this long before its next pass, twice as
  * long after each further error in a row, up to RELAY_MAX_BACKOFF_MS.
  */
@@ -766,17 +760,19 @@ worker_pass(void)
 }
 
 /*
- * Deliver the outbox's due events, a batch per pass, for at most
- * RELAY_SLICE_MS so that cleanup gets its turn; returns when the relay next
- * has work, or 0 if nothing is scheduled.  *more says the slice ran out
- * with work left: the worker must come back at once, without a nap.
+ * Drive the outbox's relay loop (relay_loop_run): iterations back to back
+ * while each claims a full batch, for at most RELAY_SLICE_MS so that
+ * cleanup gets its turn; returns when the relay next has work, or 0 if
+ * nothing is scheduled.  Webhooks stay in flight when it returns; the
+ * worker's sleep (relay_loop_wait) wakes when one of them has news.  *more
+ * says the slice ran out with work left: the worker must come back at
+ * once, without a nap.
  */
 static TimestampTz
 worker_relay(bool *more)
 {
 	static bool read_only_logged = false;
 	TimestampTz start = GetCurrentTimestamp();
-	int64		attempted;
 
 	/*
 	 * A server made read-only on purpose gets no writes from us either (a
@@ -801,10 +797,16 @@ worker_relay(bool *more)
 		read_only_logged = false;
 	}
 
-	while ((attempted = relay_run(relay_batch_size)) > 0)
+	for (;;)
 	{
+		TimestampTz wake_at;
+		bool		full;
+
+		(void) relay_loop_run(relay_batch_size, &wake_at, &full);
+		if (!full)
+			return wake_at;
 		/* A full batch: there is a backlog, which helpers share. */
-		if (attempted >= relay_batch_size && relay_workers > 1)
+		if (relay_workers > 1)
 			relay_start_helpers(worker_dbname);
 		CHECK_FOR_INTERRUPTS();
 		worker_reload_if_pending();
@@ -814,7 +816,6 @@ worker_relay(bool *more)
 			return GetCurrentTimestamp();
 		}
 	}
-	return relay_next_due();
 }
 
 /* What a slice of relaying found out, for the worker's loop. */
@@ -965,11 +966,13 @@ idem_worker_main(Datum main_arg)
 
 		timeout = TimestampDifferenceMilliseconds(now, next);
 		if (relay_due != 0)
-			timeout = Min(timeout, Max(TimestampDifferenceMilliseconds(now, relay_due),
-									   RELAY_MIN_NAP_MS));
-		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
-						 timeout, PG_WAIT_EXTENSION);
-		ResetLatch(MyLatch);
+			timeout = Min(timeout, TimestampDifferenceMilliseconds(now, relay_due));
+
+		/*
+		 * Sleep until then, or until a webhook in flight has news, or a
+		 * publishing commit (or a signal) sets our latch.
+		 */
+		relay_loop_wait(timeout, PG_WAIT_EXTENSION);
 	}
 }
 

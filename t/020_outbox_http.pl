@@ -17,7 +17,9 @@
 #  - the sink answers 410: the destination disables itself; resumed, it
 #    delivers what accumulated.
 #
-# The relay is driven with SELECT idem_outbox_relay().
+# The relay is driven with SELECT idem_outbox_relay().  The destination
+# "hook" has a failure_threshold high enough that its circuit never opens:
+# this test is about each delivery's own retries (t/033 tests the circuit).
 use strict;
 use warnings;
 
@@ -80,6 +82,7 @@ $node->safe_psql('postgres', sprintf(q{
 	SELECT idem_destination_create('hook', 'http', '%s', '{order.*}',
 		jsonb_build_object('secrets', jsonb_build_array('%s', '%s'),
 			'timeout', '2s', 'backoff_base', '100ms', 'backoff_cap', '400ms', 'max_attempts', 20,
+			'failure_threshold', 1000,
 			'headers', jsonb_build_object('x-destination', 'hook')));
 	SELECT idem_destination_create('stranger', 'http', '%s', '{other.*}',
 		jsonb_build_object('secret', '%s', 'backoff_base', '1ms', 'backoff_cap', '1ms',

@@ -18,7 +18,8 @@
 # (x-event-key, x-event-topic), "-" when absent.
 #
 # The mode is read from a file for every request, so the test changes it at
-# any time: "204", "500", "410", or "sleep <seconds> <status>".
+# any time: "204", "500", "410", "sleep <seconds> <status>", or
+# "<status> retry-after <value>" (the answer carries "Retry-After: <value>").
 #
 # The server runs in a child process of the test (fork); each connection is
 # served by a child of the server, so many requests are in flight at once
@@ -192,18 +193,25 @@ sub _serve
 		my $verified = $self->_verify(\%h, $body);
 		my $mode = $self->_mode;
 		my $status = $mode;
+		my $extra = '';
 		if ($mode =~ /^sleep (\S+) (\d+)$/)
 		{
 			sleep $1;
 			$status = $2;
 		}
+		elsif ($mode =~ /^(\d+) retry-after (.+)$/)
+		{
+			$status = $1;
+			$extra = "Retry-After: $2\r\n";
+		}
 		$status = 401 unless $verified;
 		$self->_log(sprintf("answered %.6f %s %d %d %s %s", time(), $id, $status, $verified,
 				$h{'x-event-key'} // '-', $h{'x-event-topic'} // '-'));
 		my %reason = (204 => 'No Content', 401 => 'Unauthorized', 410 => 'Gone',
-			500 => 'Internal Server Error');
+			429 => 'Too Many Requests', 500 => 'Internal Server Error',
+			503 => 'Service Unavailable');
 		print $conn "HTTP/1.1 $status " . ($reason{$status} // 'Status') .
-		  "\r\nContent-Length: 0\r\n\r\n";
+		  "\r\n${extra}Content-Length: 0\r\n\r\n";
 		$conn->flush;
 	}
 }

@@ -42,7 +42,12 @@
  *	   jitter); or dead after the destination's max_attempts.  Per-destination
  *	   counters go up in the same statement.
  *
- * relay_run (the background worker) runs the steps in transactions of its
+ * The per-database worker does not run passes: its loop (relay_loop.c)
+ * keeps webhooks in flight across iterations and uses this file's claim,
+ * in-database delivery and record steps; the per-destination endpoint state
+ * (circuit, pacing, disabling) is relay_circuit.c's.
+ *
+ * relay_run (relay helpers) runs the steps in transactions of its
  * own: the attempt count is committed before any effect, and HTTP requests
  * are made while no transaction is open.  idem_outbox_relay (SQL) runs in
  * the caller's transaction: the same code, the same statements, without the
@@ -91,12 +96,11 @@
 #include "outbox.h"
 #include "relay.h"
 #include "relay_http.h"
+#include "relay_internal.h"
 
 /* NOTIFY payloads must be shorter than this (async.c's NOTIFY_PAYLOAD_MAX_LENGTH). */
 #define RELAY_NOTIFY_MAX	(BLCKSZ - NAMEDATALEN - 128)
 
-static Datum relay_array(Datum *values, bool *nulls, int n, Oid typid);
-static TimestampTz relay_next_due_except(int32 *full, int nfull);
 
 /* The saved statements. */
 static SPIPlanPtr claim_plan = NULL;
@@ -106,25 +110,14 @@ static SPIPlanPtr dests_plan = NULL;
 static SPIPlanPtr lock_plan = NULL;
 static SPIPlanPtr renew_plan = NULL;
 static SPIPlanPtr record_plan = NULL;
-static SPIPlanPtr disable_plan = NULL;
 static SPIPlanPtr next_due_plan = NULL;
 static SPIPlanPtr cleanup_deliveries_plan = NULL;
 static SPIPlanPtr cleanup_orphans_plan = NULL;
 static SPIPlanPtr cleanup_events_plan = NULL;
 static SPIPlanPtr fold_stats_plan = NULL;
-static SPIPlanPtr state_lock_plan = NULL;
-static SPIPlanPtr state_write_plan = NULL;
-static SPIPlanPtr probe_plan = NULL;
-
-/*
- * The shortest sleep of the loop when deliveries are due but none could be
- * claimed (held behind an earlier event of their key, or claimed by another
- * relay); completions and commits wake it earlier.
- */
-#define RELAY_LOOP_MIN_NAP_MS	1000
 
 /* Whether a relay pass runs in this backend (a destination may not start another). */
-static bool relay_pass_running = false;
+bool		relay_pass_running = false;
 
 /*
  * Telling a destination function's own errors from a cancel of the relay.
@@ -144,15 +137,8 @@ static bool relay_sigint_installed = false;
 static bool relay_timeout_registered = false;
 static TimeoutId relay_timeout_id;
 
-/* A transaction step of a pass, in its own transaction or in the caller's. */
-typedef struct RelayStep
-{
-	bool		own_xact;
-	OutboxOwnerState owner;
-} RelayStep;
-
 /* Prepare a statement once per backend and keep it. */
-static SPIPlanPtr
+SPIPlanPtr
 relay_prepare(SPIPlanPtr *plan, const char *sql, int nargs, Oid *argtypes)
 {
 	if (*plan == NULL)
@@ -183,7 +169,7 @@ relay_prepare(SPIPlanPtr *plan, const char *sql, int nargs, Oid *argtypes)
  * jit_above_cost, and compiling would cost more than these short statements
  * run: no JIT.  Destination functions never run under these settings.
  */
-static int
+int
 relay_plan_settings(void)
 {
 	int			save_nestlevel = NewGUCNestLevel();
@@ -208,7 +194,7 @@ relay_plan_settings(void)
  * EXTENSION, TRUNCATE, CREATE INDEX): the worker tries again later instead
  * of queueing behind it (as pg_net does).
  */
-static bool
+bool
 relay_step_begin(RelayStep *step, const char *activity, bool skippable)
 {
 	if (step->own_xact)
@@ -243,7 +229,7 @@ relay_step_begin(RelayStep *step, const char *activity, bool skippable)
  * passes do nothing meanwhile (said once), a caller of idem_outbox_relay()
  * is told to update.
  */
-static bool
+bool
 relay_schema_current(bool own_xact)
 {
 	static bool waiting_logged = false;
@@ -265,7 +251,7 @@ relay_schema_current(bool own_xact)
 }
 
 /* End a step: disconnect from SPI and, if the pass manages its own, commit. */
-static void
+void
 relay_step_end(RelayStep *step)
 {
 	SPI_finish();
@@ -287,7 +273,7 @@ spi_text(HeapTuple tuple, int col)
 }
 
 /* A by-value column of the current SPI row, or def if NULL. */
-static Datum
+Datum
 spi_value(HeapTuple tuple, int col, Datum def)
 {
 	bool		isnull;
@@ -300,7 +286,7 @@ spi_value(HeapTuple tuple, int col, Datum def)
  * Load the destinations into cxt.  Secrets are decoded once per pass and
  * live only in the pass's memory.
  */
-static List *
+List *
 relay_load_dests(MemoryContext cxt)
 {
 	List	   *dests = NIL;
@@ -368,7 +354,7 @@ relay_load_dests(MemoryContext cxt)
 }
 
 /* The loaded destination with this id, or NULL. */
-static RelayDest *
+RelayDest *
 relay_find_dest(List *dests, int32 id)
 {
 	ListCell   *lc;
@@ -547,24 +533,8 @@ relay_read_claimed(MemoryContext cxt, RelayItem **items, int n)
 	"                                WHERE NOT t.paused AND t.disabled_at IS NULL)" \
 	"    ORDER BY w.next_attempt_at LIMIT $5) w)"
 
-/*
- * How many more requests a claim may open: to each destination (in the
- * worker's loop, whose requests stay in flight, its max_in_flight less the
- * chains of its deliveries the loop holds; a destination whose circuit is
- * open, one probe) and to all 'http' destinations together.
- */
-typedef struct RelayRooms
-{
-	bool		limit;			/* apply each destination's max_in_flight */
-	int			n;				/* destinations with chains held */
-	int			size;
-	int32	   *ids;
-	int32	   *active;			/* chains held per destination */
-	int			http_room;		/* 'http' heads the claim may still take */
-} RelayRooms;
-
 /* Count the 'http' heads just claimed (items[first .. n - 1]) against rooms. */
-static void
+void
 relay_rooms_take(RelayRooms *rooms, RelayItem **items, int first, int n)
 {
 	for (int i = first; i < n; i++)
@@ -595,6 +565,7 @@ relay_rooms_take(RelayRooms *rooms, RelayItem **items, int first, int n)
 	}
 }
 
+/* Claim the heads of keys that may go now (see the comment above HEADS_WINDOW). */
 static int
 relay_claim_heads(int max_events, bool windowed, int waves, RelayRooms *rooms,
 				  TimestampTz now, MemoryContext cxt, RelayItem **items, int n)
@@ -761,7 +732,7 @@ relay_release_chain(RelayItem *it)
  * the deliveries that follow them.  Returns the claimed items (allocated in
  * cxt), in seq order and chained, in *items.
  */
-static int
+int
 relay_claim(int max_events, int waves, RelayRooms *rooms, TimestampTz now,
 			MemoryContext cxt, RelayItem ***items)
 {
@@ -811,7 +782,7 @@ relay_claim(int max_events, int waves, RelayRooms *rooms, TimestampTz now,
 }
 
 /* An array datum of n values of type typid. */
-static Datum
+Datum
 relay_array(Datum *values, bool *nulls, int n, Oid typid)
 {
 	int16		typlen;
@@ -831,7 +802,7 @@ relay_array(Datum *values, bool *nulls, int n, Oid typid)
  * a delivery that is no longer pending).  In the caller's transaction the
  * rows are still ours and this finds them all.
  */
-static void
+void
 relay_relock(RelayItem **items, int n, bool *any)
 {
 	Oid			argtypes[3] = {UUIDARRAYOID, INT4ARRAYOID, INT8ARRAYOID};
@@ -1001,7 +972,7 @@ relay_renew_claims(RelayItem **items, int n, RelayLease *lease)
 }
 
 /* The message of a failed delivery, in the pass's memory. */
-static void
+void
 relay_fail(RelayItem *it, MemoryContext cxt, int32 status, const char *error)
 {
 	it->outcome = RELAY_FAILED;
@@ -1015,7 +986,7 @@ relay_fail(RelayItem *it, MemoryContext cxt, int32 status, const char *error)
  * id and topic) if the destination asks for one or the envelope is too
  * large.
  */
-static void
+void
 relay_notify(RelayItem *it)
 {
 	const char *payload = it->body;
@@ -1049,7 +1020,7 @@ relay_sigint_handler(int signo)
 }
 
 /* Route SIGINT through relay_sigint_handler while destination functions run. */
-static void
+void
 relay_watch_cancel(void)
 {
 	struct sigaction act;
@@ -1067,7 +1038,7 @@ relay_watch_cancel(void)
 }
 
 /* Give SIGINT back to the process's own handler. */
-static void
+void
 relay_unwatch_cancel(void)
 {
 	if (!relay_sigint_installed)
@@ -1100,7 +1071,7 @@ relay_function_timeout_handler(void)
  * dead-lettered.  Only a cancel of the relay itself (pg_cancel_backend, or
  * the caller's statement_timeout) cancels the pass.
  */
-static void
+void
 relay_call_function(RelayItem *it, MemoryContext cxt)
 {
 	RelayDest  *d = it->dest;
@@ -1377,278 +1348,9 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 	return nmissed;
 }
 
-/*
- * The endpoint state of the 'http' destinations whose deliveries in items
- * have an outcome to record, in the recording transaction and before the
- * outcomes: consecutive failures, the circuit, pacing by Retry-After, and
- * disabling after disable_after.  The rows are locked (in id order) and
- * written only for destinations with a failure or a Retry-After now, or a
- * state to clear: a healthy endpoint costs no write.  Outcomes are taken in
- * the order they came.  A success closes the circuit and clears the
- * failures; a failure (a 429 aside: a rate limit is not a failure of the
- * endpoint) counts, and the one that reaches failure_threshold opens the
- * circuit; a failure while it is open does not use up the delivery's
- * attempts (it->while_open) and waits for the next probe, which comes after
- * a destination-level backoff: min(backoff_cap, backoff_base * 2^k), k the
- * failures beyond the threshold.  A 429 or 503 with Retry-After paces the
- * whole destination until then (capped by backoff_cap), and the delivery
- * is tried again no earlier (it->retry_at).  A destination open and failing
- * for longer than its disable_after is disabled with a reason.
- */
-static void
-relay_endpoint_states(RelayItem **items, int n)
-{
-	Datum	   *ids = palloc(sizeof(Datum) * n);
-	RelayDest **dests = palloc(sizeof(RelayDest *) * n);
-	int			nd = 0;
-	Oid			argtypes[8] = {INT4ARRAYOID, TEXTARRAYOID, INT4ARRAYOID, TIMESTAMPTZARRAYOID,
-		TIMESTAMPTZARRAYOID, TIMESTAMPTZARRAYOID, TEXTARRAYOID, TIMESTAMPTZOID};
-	Datum		values[8];
-	Datum	   *circuits;
-	Datum	   *failures;
-	Datum	   *since;
-	Datum	   *probes;
-	Datum	   *paces;
-	Datum	   *whys;
-	bool	   *since_nulls;
-	bool	   *probe_nulls;
-	bool	   *pace_nulls;
-	bool	   *why_nulls;
-	TimestampTz now = GetCurrentTimestamp();
-	SPIPlanPtr	plan;
-	uint64		nrows;
-	SPITupleTable *rows;
-
-	/* Which destinations need their state read and written. */
-	for (int i = 0; i < n; i++)
-	{
-		RelayItem  *it = items[i];
-		RelayDest  *d = it->dest;
-		bool		needed;
-		int			j;
-
-		it->while_open = false;
-		it->retry_at = 0;
-		if (d == NULL || d->kind != DEST_HTTP ||
-			(it->outcome != RELAY_DELIVERED && it->outcome != RELAY_FAILED))
-			continue;
-		needed = it->outcome == RELAY_FAILED || d->circuit_open ||
-			d->consecutive_failures > 0 || d->paced;
-		if (!needed)
-			continue;
-		for (j = 0; j < nd; j++)
-			if (dests[j]->id == d->id)
-				break;
-		if (j == nd)
-		{
-			dests[nd] = d;
-			ids[nd++] = Int32GetDatum(d->id);
-		}
-	}
-	if (nd == 0)
-		return;
-
-	plan = relay_prepare(&state_lock_plan,
-						 "SELECT id, circuit = 'open', consecutive_failures, failing_since,"
-						 "       next_probe_at, paced_until"
-						 "  FROM idempotency.destinations"
-						 " WHERE id = ANY ($1) ORDER BY id FOR UPDATE",
-						 1, argtypes);
-	values[0] = relay_array(ids, NULL, nd, INT4OID);
-	if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_SELECT)
-		elog(ERROR, "could not lock outbox destinations");
-	nrows = SPI_processed;
-	rows = SPI_tuptable;
-
-	circuits = palloc(sizeof(Datum) * nrows + 1);
-	failures = palloc(sizeof(Datum) * nrows + 1);
-	since = palloc(sizeof(Datum) * nrows + 1);
-	probes = palloc(sizeof(Datum) * nrows + 1);
-	paces = palloc(sizeof(Datum) * nrows + 1);
-	whys = palloc(sizeof(Datum) * nrows + 1);
-	since_nulls = palloc(sizeof(bool) * nrows + 1);
-	probe_nulls = palloc(sizeof(bool) * nrows + 1);
-	pace_nulls = palloc(sizeof(bool) * nrows + 1);
-	why_nulls = palloc(sizeof(bool) * nrows + 1);
-
-	for (uint64 r = 0; r < nrows; r++)
-	{
-		HeapTuple	tup = rows->vals[r];
-		bool		isnull;
-		int32		id = DatumGetInt32(SPI_getbinval(tup, rows->tupdesc, 1, &isnull));
-		bool		open = DatumGetBool(SPI_getbinval(tup, rows->tupdesc, 2, &isnull));
-		int32		cf = DatumGetInt32(SPI_getbinval(tup, rows->tupdesc, 3, &isnull));
-		Datum		v;
-		TimestampTz failing_since;
-		TimestampTz next_probe;
-		TimestampTz paced_until;
-		bool		failed_open = false;
-		bool		opened = false;
-		bool		failed = false;
-		const char *last_error = NULL;
-		RelayDest  *d = NULL;
-
-		v = SPI_getbinval(tup, rows->tupdesc, 4, &isnull);
-		failing_since = isnull ? 0 : DatumGetTimestampTz(v);
-		v = SPI_getbinval(tup, rows->tupdesc, 5, &isnull);
-		next_probe = isnull ? 0 : DatumGetTimestampTz(v);
-		v = SPI_getbinval(tup, rows->tupdesc, 6, &isnull);
-		paced_until = isnull ? 0 : DatumGetTimestampTz(v);
-		ids[r] = Int32GetDatum(id);
-
-		for (int i = 0; i < n; i++)
-		{
-			RelayItem  *it = items[i];
-
-			if (it->dest == NULL || it->dest->id != id ||
-				(it->outcome != RELAY_DELIVERED && it->outcome != RELAY_FAILED))
-				continue;
-			d = it->dest;
-			if (it->outcome == RELAY_DELIVERED)
-			{
-				open = false;
-				cf = 0;
-				failing_since = 0;
-				next_probe = 0;
-				continue;
-			}
-			failed = true;
-			last_error = it->error;
-			if (it->status != 429)
-			{
-				if (open)
-				{
-					it->while_open = true;
-					failed_open = true;
-				}
-				cf++;
-				if (failing_since == 0)
-					failing_since = it->finished_at;
-				if (!open && cf >= d->failure_threshold)
-				{
-					open = true;
-					opened = true;
-				}
-			}
-			if (it->retry_after_ms >= 0)
-			{
-				TimestampTz until = it->finished_at +
-					Min(it->retry_after_ms, d->backoff_cap_ms) * 1000;
-
-				it->retry_at = until;
-				paced_until = Max(paced_until, until);
-			}
-		}
-		if (d == NULL)
-			continue;			/* cannot happen: we asked for its id */
-
-		if (open && (opened || failed_open))
-		{
-			int			k = Min(Max(cf - d->failure_threshold, 0), 30);
-			double		wait = Min((double) d->backoff_base_ms * pow(2.0, k),
-								   (double) d->backoff_cap_ms);
-
-			next_probe = Max(now + (int64) wait * 1000, paced_until);
-		}
-		/* Failures while open wait for the next probe. */
-		for (int i = 0; i < n; i++)
-			if (items[i]->dest != NULL && items[i]->dest->id == id && items[i]->while_open)
-				items[i]->retry_at = Max(next_probe, items[i]->retry_at);
-
-		circuits[r] = CStringGetTextDatum(open ? "open" : "closed");
-		failures[r] = Int32GetDatum(cf);
-		since[r] = TimestampTzGetDatum(failing_since);
-		since_nulls[r] = (failing_since == 0);
-		probes[r] = TimestampTzGetDatum(next_probe);
-		probe_nulls[r] = !open || next_probe == 0;
-		paces[r] = TimestampTzGetDatum(paced_until);
-		pace_nulls[r] = (paced_until == 0);
-		why_nulls[r] = true;
-		whys[r] = (Datum) 0;
-		if (open && failed && failing_since != 0 &&
-			now - failing_since >= d->disable_after_ms * 1000)
-		{
-			whys[r] = CStringGetTextDatum(psprintf("failing since %s, longer than disable_after (%lld ms); last error: %s",
-												   timestamptz_to_str(failing_since),
-												   (long long) d->disable_after_ms,
-												   last_error ? last_error : "?"));
-			why_nulls[r] = false;
-			ereport(LOG,
-					(errmsg("outbox destination \"%s\" disabled: it has failed since %s, longer than its disable_after",
-							d->name, timestamptz_to_str(failing_since)),
-					 errhint("Resume it with idem_destination_resume() once the endpoint is back.")));
-		}
-		else if (opened)
-			ereport(LOG,
-					(errmsg("outbox destination \"%s\": circuit open after %d consecutive failures",
-							d->name, cf),
-					 errdetail("One probe request at a time tests the endpoint; a success closes the circuit.")));
-	}
-
-	plan = relay_prepare(&state_write_plan,
-						 "UPDATE idempotency.destinations t"
-						 "   SET circuit = u.circuit, consecutive_failures = u.failures,"
-						 "       failing_since = u.since, next_probe_at = u.probe, paced_until = u.pace,"
-						 "       disabled_at = CASE WHEN u.why IS NOT NULL AND t.disabled_at IS NULL"
-						 "                          THEN $8 ELSE t.disabled_at END,"
-						 "       disabled_reason = CASE WHEN u.why IS NOT NULL AND t.disabled_at IS NULL"
-						 "                              THEN u.why ELSE t.disabled_reason END"
-						 "  FROM unnest($1::int4[], $2::text[], $3::int4[], $4::timestamptz[],"
-						 "              $5::timestamptz[], $6::timestamptz[], $7::text[])"
-						 "       AS u(id, circuit, failures, since, probe, pace, why)"
-						 " WHERE t.id = u.id",
-						 8, argtypes);
-	values[0] = relay_array(ids, NULL, nrows, INT4OID);
-	values[1] = relay_array(circuits, NULL, nrows, TEXTOID);
-	values[2] = relay_array(failures, NULL, nrows, INT4OID);
-	values[3] = relay_array(since, since_nulls, nrows, TIMESTAMPTZOID);
-	values[4] = relay_array(probes, probe_nulls, nrows, TIMESTAMPTZOID);
-	values[5] = relay_array(paces, pace_nulls, nrows, TIMESTAMPTZOID);
-	values[6] = relay_array(whys, why_nulls, nrows, TEXTOID);
-	values[7] = TimestampTzGetDatum(now);
-	if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_UPDATE)
-		elog(ERROR, "could not record the state of outbox destinations");
-}
-
-/*
- * Claims of deliveries to destinations whose circuit is open are probes:
- * one at a time, whichever relay claims it.  The first relay to claim one
- * moves next_probe_at to the probe's visibility deadline; a probe claimed
- * meanwhile by another relay (or a second one in this claim) is given back.
- */
-static void
-relay_claim_probes(RelayItem **items, int n, TimestampTz now)
-{
-	for (int i = 0; i < n; i++)
-	{
-		RelayItem  *it = items[i];
-		Oid			argtypes[3] = {INT4OID, TIMESTAMPTZOID, TIMESTAMPTZOID};
-		Datum		values[3];
-		SPIPlanPtr	plan;
-
-		if (it->dest == NULL || it->dest->kind != DEST_HTTP || !it->dest->circuit_open ||
-			it->outcome != RELAY_PENDING || it->chain_held)
-			continue;
-		plan = relay_prepare(&probe_plan,
-							 "UPDATE idempotency.destinations SET next_probe_at = $3"
-							 " WHERE id = $1 AND circuit = 'open' AND next_probe_at <= $2",
-							 3, argtypes);
-		values[0] = Int32GetDatum(it->dest_id);
-		values[1] = TimestampTzGetDatum(now);
-		values[2] = TimestampTzGetDatum(it->claimed_until);
-		if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_UPDATE)
-			elog(ERROR, "could not claim a probe of an outbox destination");
-		if (SPI_processed == 0)
-		{
-			it->outcome = RELAY_RELEASED;
-			it->finished_at = now;
-			relay_release_chain(it);
-		}
-	}
-}
 
 /* Record the outcomes of items, and again those of successes a race made us miss. */
-static void
+void
 relay_record_all(RelayItem **items, int n, RelayItem **missed)
 {
 	int			nmissed;
@@ -1658,36 +1360,6 @@ relay_record_all(RelayItem **items, int n, RelayItem **missed)
 
 	for (int retry = 0; nmissed > 0 && retry < 2; retry++)
 		nmissed = relay_record(missed, nmissed, missed);
-}
-
-/* Disable the destinations whose endpoint answered 410 Gone in this pass. */
-static void
-relay_disable(List *dests)
-{
-	ListCell   *lc;
-
-	foreach(lc, dests)
-	{
-		RelayDest  *d = lfirst(lc);
-		Oid			argtypes[2] = {INT4OID, TEXTOID};
-		Datum		values[2];
-		SPIPlanPtr	plan;
-
-		if (d->disable_reason == NULL)
-			continue;
-		plan = relay_prepare(&disable_plan,
-							 "UPDATE idempotency.destinations"
-							 "   SET disabled_at = clock_timestamp(), disabled_reason = $2"
-							 " WHERE id = $1 AND disabled_at IS NULL",
-							 2, argtypes);
-		values[0] = Int32GetDatum(d->id);
-		values[1] = CStringGetTextDatum(d->disable_reason);
-		if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_UPDATE)
-			elog(ERROR, "could not disable outbox destination");
-		ereport(LOG,
-				(errmsg("outbox destination \"%s\" disabled: %s", d->name, d->disable_reason),
-				 errhint("Resume it with idem_destination_resume() once the endpoint is back.")));
-	}
 }
 
 /*
@@ -1896,448 +1568,6 @@ relay_run(int max_events)
 	return relay_pass(max_events);
 }
 
-/*
- * The worker's relay loop (see relay.h): requests stay in flight from one
- * iteration to the next, and nothing waits for a whole batch.
- *
- * Each claim's memory (its deliveries, its copy of the destinations, the
- * requests' strings) is a RelayBatch, freed when the last of its webhooks
- * is recorded.  held lists the claimed webhooks whose outcome is not
- * recorded yet: the front of each chain is in flight, the rest of the chain
- * waits behind it (chain_held).  done lists the outcomes to record.
- */
-typedef struct RelayBatch
-{
-	MemoryContext cxt;
-	int			live;			/* its webhooks in held */
-} RelayBatch;
-
-static struct
-{
-	MemoryContext cxt;
-	RelayItem **held;
-	int			nheld;
-	int			held_size;
-	RelayItem **done;
-	int			ndone;
-	int			done_size;
-} relay_loop;
-
-/* Append it to one of the loop's arrays, growing it as needed. */
-static void
-relay_loop_push(RelayItem ***array, int *len, int *size, RelayItem *it)
-{
-	if (*len == *size)
-	{
-		*size = Max(64, *size * 2);
-		*array = *array ? repalloc(*array, sizeof(RelayItem *) * *size)
-			: MemoryContextAlloc(relay_loop.cxt, sizeof(RelayItem *) * *size);
-	}
-	(*array)[(*len)++] = it;
-}
-
-/* A held webhook leaves the loop: its batch goes when it was the last. */
-static void
-relay_loop_release_batch(RelayItem *it)
-{
-	RelayBatch *batch = it->batch;
-
-	if (batch != NULL && --batch->live == 0)
-	{
-		MemoryContextDelete(batch->cxt);
-		pfree(batch);
-	}
-}
-
-/* Start a webhook's request, its strings in its batch's memory. */
-static void
-relay_loop_start(RelayItem *it)
-{
-	MemoryContext old = MemoryContextSwitchTo(((RelayBatch *) it->batch)->cxt);
-
-	http_async_start(it);
-	MemoryContextSwitchTo(old);
-}
-
-/*
- * A webhook's request completed: its outcome is to be recorded, and the next
- * delivery of its key goes now (its predecessor was delivered) or never (it
- * is given back).
- */
-static void
-relay_loop_finished(RelayItem *it)
-{
-	relay_loop_push(&relay_loop.done, &relay_loop.ndone, &relay_loop.done_size, it);
-	if (it->outcome == RELAY_DELIVERED && it->chain_next != NULL &&
-		it->chain_next->outcome == RELAY_PENDING)
-	{
-		it->chain_next->chain_held = false;
-		relay_loop_start(it->chain_next);
-		return;
-	}
-	for (RelayItem *next = it->chain_next; next != NULL; next = next->chain_next)
-		if (next->outcome == RELAY_PENDING)
-		{
-			next->outcome = RELAY_RELEASED;
-			relay_loop_push(&relay_loop.done, &relay_loop.ndone, &relay_loop.done_size, next);
-		}
-}
-
-/* Drop from held what is no longer pending (recorded, or not ours any more). */
-static void
-relay_loop_compact(void)
-{
-	int			k = 0;
-
-	for (int i = 0; i < relay_loop.nheld; i++)
-	{
-		RelayItem  *it = relay_loop.held[i];
-
-		if (it->outcome == RELAY_PENDING)
-			relay_loop.held[k++] = it;
-		else
-			relay_loop_release_batch(it);
-	}
-	relay_loop.nheld = k;
-}
-
-/*
- * Record the outcomes in done, in one short transaction for all that
- * completed together; disable the destinations that answered 410.
- */
-static int64
-relay_loop_record(void)
-{
-	RelayStep	step;
-	RelayItem **missed;
-	int64		attempted = 0;
-	int			n = relay_loop.ndone;
-
-	if (n == 0)
-		return 0;
-	step.own_xact = true;
-	if (!relay_step_begin(&step, "idempotency relay: record", false))
-		return 0;				/* the outbox is gone: so are the deliveries */
-	missed = palloc(sizeof(RelayItem *) * n);
-	relay_record_all(relay_loop.done, n, missed);
-	for (int i = 0; i < n; i++)
-	{
-		RelayItem  *it = relay_loop.done[i];
-
-		if (it->dest != NULL && it->dest->disable_reason != NULL)
-		{
-			List	   *one = list_make1(it->dest);
-
-			relay_disable(one);
-			it->dest->disable_reason = NULL;
-		}
-	}
-	relay_step_end(&step);
-	for (int i = 0; i < n; i++)
-		if (relay_loop.done[i]->outcome == RELAY_DELIVERED ||
-			relay_loop.done[i]->outcome == RELAY_FAILED)
-			attempted++;
-	relay_loop.ndone = 0;
-	return attempted;
-}
-
-/*
- * The chains the loop holds per destination (arrays in the current memory
- * context), for the claim's rooms; returns the total.
- */
-static int
-relay_loop_active(RelayRooms *rooms)
-{
-	int			total = 0;
-
-	memset(rooms, 0, sizeof(*rooms));
-	rooms->limit = true;
-	for (int i = 0; i < relay_loop.nheld; i++)
-	{
-		RelayItem  *it = relay_loop.held[i];
-
-		if (it->outcome == RELAY_PENDING && !it->chain_held)
-		{
-			relay_rooms_take(rooms, &it, 0, 1);
-			total++;
-		}
-	}
-	rooms->http_room = http_max_in_flight() - total;
-	return total;
-}
-
-/*
- * Claim what may go now and act on it: webhooks start (and stay in flight),
- * function and notify deliveries are made in a transaction of their own,
- * exactly as a pass makes them.  Returns the deliveries claimed; *attempted
- * grows by the in-database deliveries attempted.
- */
-static int
-relay_loop_claim(int max_events, int64 *attempted)
-{
-	RelayStep	step;
-	RelayRooms	rooms;
-	RelayBatch *batch;
-	RelayItem **items;
-	RelayItem **local;
-	RelayItem **missed;
-	int			n;
-	int			nlocal = 0;
-	bool		any_local;
-	TimestampTz now = GetCurrentTimestamp();
-	MemoryContext old;
-
-	step.own_xact = true;
-	if (!relay_step_begin(&step, "idempotency relay: claim", true))
-		return 0;
-	if (!relay_schema_current(true))
-	{
-		relay_step_end(&step);
-		return 0;
-	}
-	batch = MemoryContextAllocZero(relay_loop.cxt, sizeof(RelayBatch));
-	batch->cxt = AllocSetContextCreate(relay_loop.cxt, "outbox relay claim",
-									   ALLOCSET_DEFAULT_SIZES);
-	(void) relay_loop_active(&rooms);
-	n = relay_claim(max_events, 1, &rooms, now, batch->cxt, &items);
-	if (n > 0)
-	{
-		List	   *dests = relay_load_dests(batch->cxt);
-
-		for (int i = 0; i < n; i++)
-		{
-			items[i]->dest = relay_find_dest(dests, items[i]->dest_id);
-			items[i]->batch = batch;
-		}
-		relay_claim_probes(items, n, now);
-	}
-	relay_step_end(&step);
-
-	local = MemoryContextAlloc(batch->cxt, sizeof(RelayItem *) * Max(n, 1));
-	for (int i = 0; i < n; i++)
-	{
-		RelayItem  *it = items[i];
-
-		/* Its last allowed attempt was interrupted: dead, not attempted again. */
-		if (it->dest != NULL && it->outcome == RELAY_PENDING && it->interrupted &&
-			it->attempts > it->dest->max_attempts)
-		{
-			char		why[160];
-
-			snprintf(why, sizeof(why),
-					 "not attempted again: its last attempt (%d of max_attempts %d) was interrupted before its outcome was recorded",
-					 it->attempts - 1, it->dest->max_attempts);
-			relay_fail(it, batch->cxt, 0, why);
-			it->outcome = RELAY_ABANDONED;
-			relay_release_chain(it);
-		}
-	}
-	for (int i = 0; i < n; i++)
-	{
-		RelayItem  *it = items[i];
-
-		if (it->dest == NULL)
-			it->outcome = RELAY_SKIPPED;	/* dropped since, with its deliveries */
-		else if (it->outcome != RELAY_PENDING || it->dest->kind != DEST_HTTP)
-			local[nlocal++] = it;
-		else
-		{
-			relay_loop_push(&relay_loop.held, &relay_loop.nheld, &relay_loop.held_size, it);
-			batch->live++;
-		}
-	}
-	/* The fronts of the chains go now. */
-	for (int i = 0; i < n; i++)
-		if (items[i]->dest != NULL && items[i]->dest->kind == DEST_HTTP &&
-			items[i]->outcome == RELAY_PENDING && !items[i]->chain_held)
-			relay_loop_start(items[i]);
-
-	if (nlocal > 0)
-	{
-		/* As a pass's step 3b: the effect and the mark commit together. */
-		if (relay_step_begin(&step, "idempotency relay: deliver", false))
-		{
-			old = MemoryContextSwitchTo(batch->cxt);
-			missed = palloc(sizeof(RelayItem *) * nlocal);
-			MemoryContextSwitchTo(old);
-			relay_relock(local, nlocal, &any_local);
-			if (any_local)
-			{
-				ConstraintsSetStmt *immediate = makeNode(ConstraintsSetStmt);
-
-				relay_watch_cancel();
-				immediate->constraints = NIL;
-				immediate->deferred = false;
-				AfterTriggerSetState(immediate);
-			}
-			/* On error, relay_loop_run gives SIGINT back. */
-			for (int i = 0; any_local && i < nlocal; i++)
-			{
-				RelayItem  *it = local[i];
-
-				CHECK_FOR_INTERRUPTS();
-				if (it->outcome != RELAY_PENDING)
-					continue;
-				if (it->dest->kind == DEST_NOTIFY)
-					relay_notify(it);
-				else if (it->dest->kind == DEST_FUNCTION)
-					relay_call_function(it, batch->cxt);
-				if (it->outcome != RELAY_DELIVERED)
-					relay_release_chain(it);
-			}
-			relay_unwatch_cancel();
-			relay_record_all(local, nlocal, missed);
-			relay_step_end(&step);
-			for (int i = 0; i < nlocal; i++)
-				if (local[i]->outcome == RELAY_DELIVERED || local[i]->outcome == RELAY_FAILED)
-					(*attempted)++;
-		}
-	}
-	if (batch->live == 0)
-	{
-		MemoryContextDelete(batch->cxt);
-		pfree(batch);
-	}
-	return n;
-}
-
-/* Forget everything in flight (after an error): the claims expire and are taken again. */
-static void
-relay_loop_abandon(void)
-{
-	http_async_abandon();
-	for (int i = 0; i < relay_loop.nheld; i++)
-		relay_loop.held[i]->outcome = RELAY_SKIPPED;
-	relay_loop.ndone = 0;
-	relay_loop_compact();
-}
-
-/* See relay.h. */
-int64
-relay_loop_run(int max_events, TimestampTz *wake_at, bool *full)
-{
-	int64		attempted = 0;
-	MemoryContext entrycxt = CurrentMemoryContext;
-
-	*full = false;
-	*wake_at = 0;
-	if (RecoveryInProgress() || DefaultXactReadOnly)
-		return 0;
-	if (relay_loop.cxt == NULL)
-		relay_loop.cxt = AllocSetContextCreate(TopMemoryContext, "outbox relay loop",
-											   ALLOCSET_DEFAULT_SIZES);
-	if (relay_pass_running)
-		elog(ERROR, "a relay loop cannot run inside a relay pass");
-	relay_pass_running = true;
-	PG_TRY();
-	{
-		List	   *finished;
-		ListCell   *lc;
-		TimestampTz now;
-		TimestampTz renew_at = 0;
-		TimestampTz due;
-		int			claimed;
-		int32	   *full_ids;
-		int			nfull = 0;
-		RelayRooms	rooms;
-
-		/* (a) The requests that completed, recorded together. */
-		finished = http_async_collect();
-		foreach(lc, finished)
-			relay_loop_finished(lfirst(lc));
-		list_free(finished);
-		attempted += relay_loop_record();
-		relay_loop_compact();
-
-		/* Claims that would expire before their outcome comes are renewed. */
-		now = GetCurrentTimestamp();
-		for (int i = 0; i < relay_loop.nheld; i++)
-		{
-			RelayItem  *it = relay_loop.held[i];
-			int64		half = ((int64) relay_visibility_margin + it->dest->timeout_ms) * 500;
-
-			if (renew_at == 0 || it->claimed_until - half < renew_at)
-				renew_at = it->claimed_until - half;
-		}
-		if (renew_at != 0 && now >= renew_at)
-		{
-			RelayLease	lease = {true, 0, 0};
-
-			relay_renew_claims(relay_loop.held, relay_loop.nheld, &lease);
-			for (int i = 0; i < relay_loop.nheld; i++)
-				if (relay_loop.held[i]->outcome == RELAY_RELEASED)
-					relay_loop_push(&relay_loop.done, &relay_loop.ndone, &relay_loop.done_size,
-									relay_loop.held[i]);
-			attempted += relay_loop_record();
-			relay_loop_compact();
-			renew_at = 0;
-			for (int i = 0; i < relay_loop.nheld; i++)
-			{
-				RelayItem  *it = relay_loop.held[i];
-				int64		half = ((int64) relay_visibility_margin + it->dest->timeout_ms) * 500;
-
-				if (renew_at == 0 || it->claimed_until - half < renew_at)
-					renew_at = it->claimed_until - half;
-			}
-		}
-
-		/* (b, c) Claim for the destinations with room. */
-		claimed = relay_loop_claim(max_events, &attempted);
-		*full = claimed >= max_events;
-
-		/* (d) When to come back, besides a socket, a timer of libcurl or the latch. */
-		if (*full)
-			*wake_at = GetCurrentTimestamp();
-		else
-		{
-			(void) relay_loop_active(&rooms);
-			full_ids = palloc(sizeof(int32) * Max(rooms.n, 1));
-			for (int i = 0; i < rooms.n; i++)
-			{
-				RelayDest  *d = NULL;
-
-				for (int j = 0; j < relay_loop.nheld && d == NULL; j++)
-					if (relay_loop.held[j]->dest_id == rooms.ids[i])
-						d = relay_loop.held[j]->dest;
-				if (rooms.http_room <= 0 ||
-					(d != NULL && rooms.active[i] >= (d->circuit_open ? 1 : d->max_in_flight)))
-					full_ids[nfull++] = rooms.ids[i];
-			}
-			due = relay_next_due_except(full_ids, nfull);
-			/* Due, but nothing could be claimed (held behind its key, or locked). */
-			if (due != 0 && claimed == 0 && due <= GetCurrentTimestamp())
-				due = TimestampTzPlusMilliseconds(GetCurrentTimestamp(), RELAY_LOOP_MIN_NAP_MS);
-			*wake_at = due;
-			if (renew_at != 0 && (*wake_at == 0 || renew_at < *wake_at))
-				*wake_at = renew_at;
-		}
-	}
-	PG_CATCH();
-	{
-		relay_pass_running = false;
-		relay_unwatch_cancel();
-		relay_loop_abandon();
-		PG_RE_THROW();
-	}
-	PG_END_TRY();
-	relay_pass_running = false;
-	MemoryContextSwitchTo(entrycxt);
-	return attempted;
-}
-
-/* See relay.h. */
-void
-relay_loop_wait(long timeout_ms, uint32 wait_event_info)
-{
-	http_async_wait(timeout_ms, wait_event_info);
-}
-
-/* See relay.h. */
-int
-relay_loop_in_flight(void)
-{
-	return http_async_in_flight();
-}
 
 /* See relay.h. */
 bool
@@ -2376,7 +1606,7 @@ bgworker_run_guarded(const char *what, void (*unit) (void *arg), void *arg)
  * among the nfull destinations in full, whose requests are all in flight),
  * or the end of such a wait; 0 if none.
  */
-static TimestampTz
+TimestampTz
 relay_next_due_except(int32 *full, int nfull)
 {
 	RelayStep	step;

@@ -1,0 +1,480 @@
+/*-------------------------------------------------------------------------
+ *
+ * relay_loop.c
+ *	  The per-database worker's relay loop: webhooks stay in flight from one
+ *	  iteration to the next, and nothing waits for a whole batch.
+ *
+ * Each iteration (relay_loop_run, see relay.h) records what completed,
+ * renews claims about to expire, claims for the destinations with room,
+ * starts those webhooks and makes the function and notify deliveries in a
+ * transaction of their own; the worker then sleeps in relay_loop_wait on
+ * the requests' sockets and its latch.  The claiming, recording and
+ * in-database delivery are relay.c's, the same code a synchronous pass
+ * (idem_outbox_relay) runs; the requests are relay_http.c's.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "access/xact.h"
+#include "access/xlog.h"
+#include "commands/trigger.h"
+#include "miscadmin.h"
+#include "nodes/makefuncs.h"
+#include "utils/memutils.h"
+#include "utils/timestamp.h"
+
+#include "outbox.h"
+#include "relay.h"
+#include "relay_http.h"
+#include "relay_internal.h"
+
+/*
+ * The shortest sleep of the loop when deliveries are due but none could be
+ * claimed (held behind an earlier event of their key, or claimed by another
+ * relay); completions and commits wake it earlier.
+ */
+#define RELAY_LOOP_MIN_NAP_MS	1000
+
+/*
+ * The worker's relay loop (see relay.h): requests stay in flight from one
+ * iteration to the next, and nothing waits for a whole batch.
+ *
+ * Each claim's memory (its deliveries, its copy of the destinations, the
+ * requests' strings) is a RelayBatch, freed when the last of its webhooks
+ * is recorded.  held lists the claimed webhooks whose outcome is not
+ * recorded yet: the front of each chain is in flight, the rest of the chain
+ * waits behind it (chain_held).  done lists the outcomes to record.
+ */
+typedef struct RelayBatch
+{
+	MemoryContext cxt;
+	int			live;			/* its webhooks in held */
+} RelayBatch;
+
+static struct
+{
+	MemoryContext cxt;
+	RelayItem **held;
+	int			nheld;
+	int			held_size;
+	RelayItem **done;
+	int			ndone;
+	int			done_size;
+} relay_loop;
+
+/* Append it to one of the loop's arrays, growing it as needed. */
+static void
+relay_loop_push(RelayItem ***array, int *len, int *size, RelayItem *it)
+{
+	if (*len == *size)
+	{
+		*size = Max(64, *size * 2);
+		*array = *array ? repalloc(*array, sizeof(RelayItem *) * *size)
+			: MemoryContextAlloc(relay_loop.cxt, sizeof(RelayItem *) * *size);
+	}
+	(*array)[(*len)++] = it;
+}
+
+/* A held webhook leaves the loop: its batch goes when it was the last. */
+static void
+relay_loop_release_batch(RelayItem *it)
+{
+	RelayBatch *batch = it->batch;
+
+	if (batch != NULL && --batch->live == 0)
+	{
+		MemoryContextDelete(batch->cxt);
+		pfree(batch);
+	}
+}
+
+/* Start a webhook's request, its strings in its batch's memory. */
+static void
+relay_loop_start(RelayItem *it)
+{
+	MemoryContext old = MemoryContextSwitchTo(((RelayBatch *) it->batch)->cxt);
+
+	http_async_start(it);
+	MemoryContextSwitchTo(old);
+}
+
+/*
+ * A webhook's request completed: its outcome is to be recorded, and the next
+ * delivery of its key goes now (its predecessor was delivered) or never (it
+ * is given back).
+ */
+static void
+relay_loop_finished(RelayItem *it)
+{
+	relay_loop_push(&relay_loop.done, &relay_loop.ndone, &relay_loop.done_size, it);
+	if (it->outcome == RELAY_DELIVERED && it->chain_next != NULL &&
+		it->chain_next->outcome == RELAY_PENDING)
+	{
+		it->chain_next->chain_held = false;
+		relay_loop_start(it->chain_next);
+		return;
+	}
+	for (RelayItem *next = it->chain_next; next != NULL; next = next->chain_next)
+		if (next->outcome == RELAY_PENDING)
+		{
+			next->outcome = RELAY_RELEASED;
+			relay_loop_push(&relay_loop.done, &relay_loop.ndone, &relay_loop.done_size, next);
+		}
+}
+
+/* Drop from held what is no longer pending (recorded, or not ours any more). */
+static void
+relay_loop_compact(void)
+{
+	int			k = 0;
+
+	for (int i = 0; i < relay_loop.nheld; i++)
+	{
+		RelayItem  *it = relay_loop.held[i];
+
+		if (it->outcome == RELAY_PENDING)
+			relay_loop.held[k++] = it;
+		else
+			relay_loop_release_batch(it);
+	}
+	relay_loop.nheld = k;
+}
+
+/*
+ * Record the outcomes in done, in one short transaction for all that
+ * completed together; disable the destinations that answered 410.
+ */
+static int64
+relay_loop_record(void)
+{
+	RelayStep	step;
+	RelayItem **missed;
+	int64		attempted = 0;
+	int			n = relay_loop.ndone;
+
+	if (n == 0)
+		return 0;
+	step.own_xact = true;
+	if (!relay_step_begin(&step, "idempotency relay: record", false))
+		return 0;				/* the outbox is gone: so are the deliveries */
+	missed = palloc(sizeof(RelayItem *) * n);
+	relay_record_all(relay_loop.done, n, missed);
+	for (int i = 0; i < n; i++)
+	{
+		RelayItem  *it = relay_loop.done[i];
+
+		if (it->dest != NULL && it->dest->disable_reason != NULL)
+		{
+			List	   *one = list_make1(it->dest);
+
+			relay_disable(one);
+			it->dest->disable_reason = NULL;
+		}
+	}
+	relay_step_end(&step);
+	for (int i = 0; i < n; i++)
+		if (relay_loop.done[i]->outcome == RELAY_DELIVERED ||
+			relay_loop.done[i]->outcome == RELAY_FAILED)
+			attempted++;
+	relay_loop.ndone = 0;
+	return attempted;
+}
+
+/*
+ * The chains the loop holds per destination (arrays in the current memory
+ * context), for the claim's rooms; returns the total.
+ */
+static int
+relay_loop_active(RelayRooms *rooms)
+{
+	int			total = 0;
+
+	memset(rooms, 0, sizeof(*rooms));
+	rooms->limit = true;
+	for (int i = 0; i < relay_loop.nheld; i++)
+	{
+		RelayItem  *it = relay_loop.held[i];
+
+		if (it->outcome == RELAY_PENDING && !it->chain_held)
+		{
+			relay_rooms_take(rooms, &it, 0, 1);
+			total++;
+		}
+	}
+	rooms->http_room = http_max_in_flight() - total;
+	return total;
+}
+
+/*
+ * Claim what may go now and act on it: webhooks start (and stay in flight),
+ * function and notify deliveries are made in a transaction of their own,
+ * exactly as a pass makes them.  Returns the deliveries claimed; *attempted
+ * grows by the in-database deliveries attempted.
+ */
+static int
+relay_loop_claim(int max_events, int64 *attempted)
+{
+	RelayStep	step;
+	RelayRooms	rooms;
+	RelayBatch *batch;
+	RelayItem **items;
+	RelayItem **local;
+	RelayItem **missed;
+	int			n;
+	int			nlocal = 0;
+	bool		any_local;
+	TimestampTz now = GetCurrentTimestamp();
+	MemoryContext old;
+
+	step.own_xact = true;
+	if (!relay_step_begin(&step, "idempotency relay: claim", true))
+		return 0;
+	if (!relay_schema_current(true))
+	{
+		relay_step_end(&step);
+		return 0;
+	}
+	batch = MemoryContextAllocZero(relay_loop.cxt, sizeof(RelayBatch));
+	batch->cxt = AllocSetContextCreate(relay_loop.cxt, "outbox relay claim",
+									   ALLOCSET_DEFAULT_SIZES);
+	(void) relay_loop_active(&rooms);
+	n = relay_claim(max_events, 1, &rooms, now, batch->cxt, &items);
+	if (n > 0)
+	{
+		List	   *dests = relay_load_dests(batch->cxt);
+
+		for (int i = 0; i < n; i++)
+		{
+			items[i]->dest = relay_find_dest(dests, items[i]->dest_id);
+			items[i]->batch = batch;
+		}
+		relay_claim_probes(items, n, now);
+	}
+	relay_step_end(&step);
+
+	local = MemoryContextAlloc(batch->cxt, sizeof(RelayItem *) * Max(n, 1));
+	for (int i = 0; i < n; i++)
+	{
+		RelayItem  *it = items[i];
+
+		/* Its last allowed attempt was interrupted: dead, not attempted again. */
+		if (it->dest != NULL && it->outcome == RELAY_PENDING && it->interrupted &&
+			it->attempts > it->dest->max_attempts)
+		{
+			char		why[160];
+
+			snprintf(why, sizeof(why),
+					 "not attempted again: its last attempt (%d of max_attempts %d) was interrupted before its outcome was recorded",
+					 it->attempts - 1, it->dest->max_attempts);
+			relay_fail(it, batch->cxt, 0, why);
+			it->outcome = RELAY_ABANDONED;
+			relay_release_chain(it);
+		}
+	}
+	for (int i = 0; i < n; i++)
+	{
+		RelayItem  *it = items[i];
+
+		if (it->dest == NULL)
+			it->outcome = RELAY_SKIPPED;	/* dropped since, with its deliveries */
+		else if (it->outcome != RELAY_PENDING || it->dest->kind != DEST_HTTP)
+			local[nlocal++] = it;
+		else
+		{
+			relay_loop_push(&relay_loop.held, &relay_loop.nheld, &relay_loop.held_size, it);
+			batch->live++;
+		}
+	}
+	/* The fronts of the chains go now. */
+	for (int i = 0; i < n; i++)
+		if (items[i]->dest != NULL && items[i]->dest->kind == DEST_HTTP &&
+			items[i]->outcome == RELAY_PENDING && !items[i]->chain_held)
+			relay_loop_start(items[i]);
+
+	if (nlocal > 0)
+	{
+		/* As a pass's step 3b: the effect and the mark commit together. */
+		if (relay_step_begin(&step, "idempotency relay: deliver", false))
+		{
+			old = MemoryContextSwitchTo(batch->cxt);
+			missed = palloc(sizeof(RelayItem *) * nlocal);
+			MemoryContextSwitchTo(old);
+			relay_relock(local, nlocal, &any_local);
+			if (any_local)
+			{
+				ConstraintsSetStmt *immediate = makeNode(ConstraintsSetStmt);
+
+				relay_watch_cancel();
+				immediate->constraints = NIL;
+				immediate->deferred = false;
+				AfterTriggerSetState(immediate);
+			}
+			/* On error, relay_loop_run gives SIGINT back. */
+			for (int i = 0; any_local && i < nlocal; i++)
+			{
+				RelayItem  *it = local[i];
+
+				CHECK_FOR_INTERRUPTS();
+				if (it->outcome != RELAY_PENDING)
+					continue;
+				if (it->dest->kind == DEST_NOTIFY)
+					relay_notify(it);
+				else if (it->dest->kind == DEST_FUNCTION)
+					relay_call_function(it, batch->cxt);
+				if (it->outcome != RELAY_DELIVERED)
+					relay_release_chain(it);
+			}
+			relay_unwatch_cancel();
+			relay_record_all(local, nlocal, missed);
+			relay_step_end(&step);
+			for (int i = 0; i < nlocal; i++)
+				if (local[i]->outcome == RELAY_DELIVERED || local[i]->outcome == RELAY_FAILED)
+					(*attempted)++;
+		}
+	}
+	if (batch->live == 0)
+	{
+		MemoryContextDelete(batch->cxt);
+		pfree(batch);
+	}
+	return n;
+}
+
+/* Forget everything in flight (after an error): the claims expire and are taken again. */
+static void
+relay_loop_abandon(void)
+{
+	http_async_abandon();
+	for (int i = 0; i < relay_loop.nheld; i++)
+		relay_loop.held[i]->outcome = RELAY_SKIPPED;
+	relay_loop.ndone = 0;
+	relay_loop_compact();
+}
+
+/* See relay.h. */
+int64
+relay_loop_run(int max_events, TimestampTz *wake_at, bool *full)
+{
+	int64		attempted = 0;
+	MemoryContext entrycxt = CurrentMemoryContext;
+
+	*full = false;
+	*wake_at = 0;
+	if (RecoveryInProgress() || DefaultXactReadOnly)
+		return 0;
+	if (relay_loop.cxt == NULL)
+		relay_loop.cxt = AllocSetContextCreate(TopMemoryContext, "outbox relay loop",
+											   ALLOCSET_DEFAULT_SIZES);
+	if (relay_pass_running)
+		elog(ERROR, "a relay loop cannot run inside a relay pass");
+	relay_pass_running = true;
+	PG_TRY();
+	{
+		List	   *finished;
+		ListCell   *lc;
+		TimestampTz now;
+		TimestampTz renew_at = 0;
+		TimestampTz due;
+		int			claimed;
+		int32	   *full_ids;
+		int			nfull = 0;
+		RelayRooms	rooms;
+
+		/* (a) The requests that completed, recorded together. */
+		finished = http_async_collect();
+		foreach(lc, finished)
+			relay_loop_finished(lfirst(lc));
+		list_free(finished);
+		attempted += relay_loop_record();
+		relay_loop_compact();
+
+		/* Claims that would expire before their outcome comes are renewed. */
+		now = GetCurrentTimestamp();
+		for (int i = 0; i < relay_loop.nheld; i++)
+		{
+			RelayItem  *it = relay_loop.held[i];
+			int64		half = ((int64) relay_visibility_margin + it->dest->timeout_ms) * 500;
+
+			if (renew_at == 0 || it->claimed_until - half < renew_at)
+				renew_at = it->claimed_until - half;
+		}
+		if (renew_at != 0 && now >= renew_at)
+		{
+			RelayLease	lease = {true, 0, 0};
+
+			relay_renew_claims(relay_loop.held, relay_loop.nheld, &lease);
+			for (int i = 0; i < relay_loop.nheld; i++)
+				if (relay_loop.held[i]->outcome == RELAY_RELEASED)
+					relay_loop_push(&relay_loop.done, &relay_loop.ndone, &relay_loop.done_size,
+									relay_loop.held[i]);
+			attempted += relay_loop_record();
+			relay_loop_compact();
+			renew_at = 0;
+			for (int i = 0; i < relay_loop.nheld; i++)
+			{
+				RelayItem  *it = relay_loop.held[i];
+				int64		half = ((int64) relay_visibility_margin + it->dest->timeout_ms) * 500;
+
+				if (renew_at == 0 || it->claimed_until - half < renew_at)
+					renew_at = it->claimed_until - half;
+			}
+		}
+
+		/* (b, c) Claim for the destinations with room. */
+		claimed = relay_loop_claim(max_events, &attempted);
+		*full = claimed >= max_events;
+
+		/* (d) When to come back, besides a socket, a timer of libcurl or the latch. */
+		if (*full)
+			*wake_at = GetCurrentTimestamp();
+		else
+		{
+			(void) relay_loop_active(&rooms);
+			full_ids = palloc(sizeof(int32) * Max(rooms.n, 1));
+			for (int i = 0; i < rooms.n; i++)
+			{
+				RelayDest  *d = NULL;
+
+				for (int j = 0; j < relay_loop.nheld && d == NULL; j++)
+					if (relay_loop.held[j]->dest_id == rooms.ids[i])
+						d = relay_loop.held[j]->dest;
+				if (rooms.http_room <= 0 ||
+					(d != NULL && rooms.active[i] >= (d->circuit_open ? 1 : d->max_in_flight)))
+					full_ids[nfull++] = rooms.ids[i];
+			}
+			due = relay_next_due_except(full_ids, nfull);
+			/* Due, but nothing could be claimed (held behind its key, or locked). */
+			if (due != 0 && claimed == 0 && due <= GetCurrentTimestamp())
+				due = TimestampTzPlusMilliseconds(GetCurrentTimestamp(), RELAY_LOOP_MIN_NAP_MS);
+			*wake_at = due;
+			if (renew_at != 0 && (*wake_at == 0 || renew_at < *wake_at))
+				*wake_at = renew_at;
+		}
+	}
+	PG_CATCH();
+	{
+		relay_pass_running = false;
+		relay_unwatch_cancel();
+		relay_loop_abandon();
+		PG_RE_THROW();
+	}
+	PG_END_TRY();
+	relay_pass_running = false;
+	MemoryContextSwitchTo(entrycxt);
+	return attempted;
+}
+
+/* See relay.h. */
+void
+relay_loop_wait(long timeout_ms, uint32 wait_event_info)
+{
+	http_async_wait(timeout_ms, wait_event_info);
+}
+
+/* See relay.h. */
+int
+relay_loop_in_flight(void)
+{
+	return http_async_in_flight();
+}

@@ -12,7 +12,10 @@
 #  - the events of the first payments are delivered to both destinations;
 #  - 20 webhooks are in flight: the relay claimed them (committed, so the
 #    standby has the claims) and the sink holds them unanswered;
-#  - the events of the last payments are waiting, at both destinations;
+#  - the events of the last payments are delivered to the function
+#    destination (a relay busy with webhooks holds up no in-database
+#    delivery) and are waiting at the http destination, whose 20 requests
+#    in flight are its max_in_flight;
 #  - transactions are open: a payment, an inbox message, phase 2 of a
 #    checkout, and an event being published.
 #
@@ -74,7 +77,7 @@ my $sink = ProofHelpers::Sink->new(
 $primary->safe_psql('postgres', sprintf(q{
 	SELECT idem_destination_create('ledger', 'function', 'fdest(jsonb)', '{payment.*}');
 	SELECT idem_destination_create('hook', 'http', '%s', '{payment.*}',
-		jsonb_build_object('secret', '%s', 'timeout', '20s'));}, $sink->url, $SECRET));
+		jsonb_build_object('secret', '%s', 'timeout', '20s', 'max_in_flight', 20));}, $sink->url, $SECRET));
 # A worker started before CREATE EXTENSION skips its first pass; after a
 # restart it makes one at once, and then none for an hour.  So expired rows
 # inserted after that pass are for a worker on the standby to delete, if one
@@ -215,9 +218,17 @@ sleep 0.05 while time() < $deadline && $sink->received < $received_before + 20;
 my @held_ids = ($sink->received)[ $received_before .. $sink->received - 1 ];
 is(scalar(@held_ids), 20, 'the relay sent 20 webhooks; the sink holds them');
 
-# Payments whose events wait at both destinations (the relay is busy).
+# Payments whose events wait at the http destination, which has its 20
+# requests (its max_in_flight, and idempotency.relay_max_in_flight) in
+# flight; the function destination gets them at once all the same: the
+# relay's loop never waits for webhooks before in-database deliveries.
 my @last = map { "p$_" } 61 .. 70;
 pay_new(@last);
+$primary->poll_query_until('postgres', q{
+	SELECT count(*) = 0 FROM idempotency.deliveries d JOIN idempotency.destinations t
+	    ON t.id = d.destination_id WHERE t.name = 'ledger' AND state <> 'delivered'})
+  or die 'the function destination did not get the last events while webhooks were in flight';
+pass('the function destination got the last events while 20 webhooks were in flight');
 
 # Transactions open at the failover.
 my @open;
@@ -247,9 +258,9 @@ my $state_sql = q{
 			  FROM idempotency.deliveries GROUP BY 1, 2, 3, 4) d
 	  JOIN idempotency.destinations t ON t.id = d.destination_id};
 my $state_at_failover = 'hook delivered 1 false 40, hook pending 0 false 10, hook pending 1 true 20, '
-  . 'ledger delivered 1 false 60, ledger pending 0 false 10; fsink 60';
+  . 'ledger delivered 1 false 70; fsink 70';
 is($primary->safe_psql('postgres', $state_sql), $state_at_failover,
-	'at the failover: 40+60 delivered, 20 webhooks claimed and in flight, 10+10 waiting');
+	'at the failover: 40+70 delivered, 20 webhooks claimed and in flight, 10 waiting for them');
 my $worker_on_primary = $primary->safe_psql('postgres',
 	q{SELECT worker_pid FROM idem_stats WHERE datname = 'postgres'});
 isnt($worker_on_primary, '', "the primary's worker runs");

@@ -43,8 +43,10 @@ extern int64 relay_run(int max_events);
  * their own.  Webhooks stay in flight after it returns: a slow endpoint
  * holds up nothing but its own deliveries.  *full says the claim took
  * max_events (call again at once); *wake_at is when to come back at the
- * latest (0: when woken), besides what relay_loop_wait waits for.  Returns
- * the deliveries attempted.  On error, every request in flight is
+ * latest (0: when woken), besides what relay_loop_wait waits for.  With
+ * max_events 0 it claims nothing: a relay helper that is leaving collects
+ * and records the outcomes of its requests in flight.  Returns the
+ * deliveries attempted.  On error, every request in flight is
  * abandoned (their claims expire) and the error propagates.
  */
 extern int64 relay_loop_run(int max_events, TimestampTz *wake_at, bool *full);
@@ -92,8 +94,8 @@ extern int64 outbox_cleanup(int batch);
 /*
  * Start relay helpers in the current database until idempotency.relay_workers
  * relay processes run, the caller included; the worker calls it after a pass
- * that claimed a full batch.  Defined in relay_helpers.c, with the helpers'
- * entry point.
+ * that claimed a full batch.  Helpers run the same loop (relay_loop_run).
+ * Defined in relay_helpers.c, with the helpers' entry point.
  */
 extern void relay_start_helpers(const char *dbname);
 extern PGDLLEXPORT void idem_relay_helper_main(Datum main_arg);

@@ -9,17 +9,19 @@
  * claims a full batch (idempotency.relay_batch_size deliveries), more are
  * likely waiting, so the worker starts relay helpers -- dynamic background
  * workers in the same database -- until idempotency.relay_workers relay
- * processes run in all.  Each helper runs relay passes back to back, sharing
- * the work with the others through the claim's FOR UPDATE SKIP LOCKED.
+ * processes run in all.  Each helper runs the worker's relay loop
+ * (relay_loop.c: webhooks in flight across iterations, so a slow endpoint
+ * holds up only its own deliveries), sharing the work with the others
+ * through the claim's FOR UPDATE SKIP LOCKED.
  * Per-key order holds across relays as it does across concurrent callers of
  * idem_outbox_relay(): no delivery is claimed while an earlier one of its key
  * is undelivered.
  *
- * Helpers live only as long as a backlog: after a pass that does not claim a
- * full batch a helper waits HELPER_LINGER_MS and tries once more, and exits
- * if that pass is not full either, so an idle outbox costs no extra
- * processes or worker slots.  A helper also exits after a pass when the
- * setting no longer counts it (each has a number, 1 to relay_workers - 1) or
+ * Helpers live only as long as a backlog: a helper whose loop has neither
+ * claimed a full batch nor had a webhook in flight for HELPER_LINGER_MS
+ * exits, so an idle outbox costs no extra processes or worker slots.  A
+ * helper also exits, once the outcomes of its requests in flight are
+ * recorded, when the setting no longer counts it (each has a number, 1 to relay_workers - 1) or
  * when the worker that started it is gone (stopped, restarted, or its
  * database no longer listed): a restarted worker starts helpers of its own.
  * The worker starts a helper in a given place at most once every
@@ -53,7 +55,7 @@
 /* What pg_stat_activity shows as a helper's backend_type and application_name. */
 #define IDEM_RELAY_HELPER_TYPE	"idempotency relay"
 
-/* How long a helper waits after a pass that was not full before its last try. */
+/* How long a helper stays with no full claim and nothing in flight. */
 #define HELPER_LINGER_MS	1000
 
 /* The shortest time between two starts of a helper in the same place. */
@@ -164,24 +166,55 @@ relay_helper_dismissed(const HelperArgs *args)
 		idem_stats_worker_pid(MyDatabaseId) != args->worker_pid;
 }
 
-/* One relay pass of a helper, for bgworker_run_guarded: *arg gets the deliveries attempted. */
-static void
-relay_helper_pass(void *arg)
+/* What one iteration of a helper's loop found out. */
+typedef struct HelperIteration
 {
-	*(int64 *) arg = relay_run(relay_batch_size);
+	int			max_events;		/* 0: claim nothing, only collect and record */
+	TimestampTz wake_at;		/* come back then at the latest (0: when woken) */
+	bool		full;			/* the claim took max_events */
+} HelperIteration;
+
+/* One iteration of the relay loop in a helper, for bgworker_run_guarded. */
+static void
+relay_helper_iteration(void *arg)
+{
+	HelperIteration *iter = arg;
+
+	iter->full = false;
+	iter->wake_at = 0;
+	(void) relay_loop_run(iter->max_events, &iter->wake_at, &iter->full);
 }
 
 /*
- * Main function of a relay helper: relay passes back to back while they
- * claim full batches; after one that does not, wait a moment and try once
- * more, then exit.  Exit early when dismissed.  A pass that fails is logged
- * and counts as one that was not full.
+ * Sleep until the loop's requests have news, its next due time or a timer
+ * of libcurl comes, or at most max_ms.
+ */
+static void
+relay_helper_wait(TimestampTz wake_at, long max_ms)
+{
+	long		timeout = max_ms;
+
+	if (wake_at != 0)
+		timeout = Min(timeout, TimestampDifferenceMilliseconds(GetCurrentTimestamp(), wake_at));
+	relay_loop_wait(timeout, PG_WAIT_EXTENSION);
+}
+
+/*
+ * Main function of a relay helper: the worker's relay loop (relay_loop_run),
+ * so that a slow endpoint holds up only its own deliveries here as well.
+ * The helper stays while the loop claims full batches or has webhooks in
+ * flight; once it has neither for HELPER_LINGER_MS, it exits.  When
+ * dismissed it claims nothing more, waits for the outcomes of the requests
+ * it has in flight (each within its destination's timeout) and records
+ * them, then exits.  An iteration that fails is logged; its requests are
+ * abandoned (their claims expire and are taken again), and the helper goes
+ * on as after an iteration that was not full.
  */
 void
 idem_relay_helper_main(Datum main_arg)
 {
 	HelperArgs	args;
-	bool		lingered = false;
+	TimestampTz idle_since = 0;
 	char		context[BGW_MAXLEN];
 
 	memcpy(&args, MyBgworkerEntry->bgw_extra, sizeof(args));
@@ -198,23 +231,41 @@ idem_relay_helper_main(Datum main_arg)
 
 	/* "idempotency relay for database <name>" */
 	strlcpy(context, MyBgworkerEntry->bgw_name, sizeof(context));
-	while (!relay_helper_dismissed(&args))
+	for (;;)
 	{
-		int64		attempted = 0;
+		HelperIteration iter = {relay_batch_size, 0, false};
+		bool		dismissed = relay_helper_dismissed(&args);
+		TimestampTz now;
 
 		CHECK_FOR_INTERRUPTS();
-		if (bgworker_run_guarded(context, relay_helper_pass, &attempted) &&
-			attempted >= relay_batch_size)
+		if (dismissed)
 		{
-			lingered = false;
+			/* Only the outcomes of what is in flight, then go. */
+			if (relay_loop_in_flight() == 0)
+				break;
+			iter.max_events = 0;
+		}
+		if (!bgworker_run_guarded(context, relay_helper_iteration, &iter))
+			iter.full = false;
+		if (iter.full)
+		{
+			idle_since = 0;
 			continue;
 		}
-		if (lingered)
+		now = GetCurrentTimestamp();
+		if (relay_loop_in_flight() > 0)
+		{
+			idle_since = 0;
+			relay_helper_wait(iter.wake_at, HELPER_LINGER_MS);
+			continue;
+		}
+		if (dismissed)
 			break;
-		lingered = true;
-		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
-						 HELPER_LINGER_MS, PG_WAIT_EXTENSION);
-		ResetLatch(MyLatch);
+		if (idle_since == 0)
+			idle_since = now;
+		else if (TimestampDifferenceExceeds(idle_since, now, HELPER_LINGER_MS))
+			break;
+		relay_helper_wait(iter.wake_at, HELPER_LINGER_MS);
 	}
 	proc_exit(0);
 }

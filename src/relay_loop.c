@@ -421,13 +421,15 @@ relay_loop_run(int max_events, TimestampTz *wake_at, bool *full)
 			}
 		}
 
-		/* (b, c) Claim for the destinations with room. */
-		claimed = relay_loop_claim(max_events, &attempted);
-		*full = claimed >= max_events;
+		/* (b, c) Claim for the destinations with room (none when draining). */
+		claimed = max_events > 0 ? relay_loop_claim(max_events, &attempted) : 0;
+		*full = max_events > 0 && claimed >= max_events;
 
 		/* (d) When to come back, besides a socket, a timer of libcurl or the latch. */
 		if (*full)
 			*wake_at = GetCurrentTimestamp();
+		else if (max_events == 0)
+			*wake_at = renew_at;
 		else
 		{
 			(void) relay_loop_active(&rooms);

@@ -1688,7 +1688,7 @@ cleanup_batch(SPIPlanPtr *plan, const char *sql, TimestampTz cutoff, int batch)
 
 /* See relay.h. */
 int64
-outbox_cleanup(int batch)
+outbox_cleanup(int batch, void (*between) (void))
 {
 	RelayStep	step;
 	TimestampTz cutoff;
@@ -1718,6 +1718,8 @@ outbox_cleanup(int batch)
 						  "  WHERE state = 'delivered' AND delivered_at < $1 LIMIT $2))",
 						  cutoff, batch);
 		relay_step_end(&step);
+		if (between != NULL && step.own_xact)
+			between();
 	} while (n >= (uint64) batch);
 
 	/* Deliveries left behind by a destination dropped while an event was being published. */
@@ -1734,6 +1736,8 @@ outbox_cleanup(int batch)
 						  "  LIMIT $2))",
 						  cutoff, batch);
 		relay_step_end(&step);
+		if (between != NULL && step.own_xact)
+			between();
 	} while (n >= (uint64) batch);
 
 	/*
@@ -1773,6 +1777,8 @@ outbox_cleanup(int batch)
 						  cutoff, batch);
 		relay_step_end(&step);
 		events += n;
+		if (between != NULL && step.own_xact)
+			between();
 	} while (n >= (uint64) batch);
 
 	return events;
@@ -1813,5 +1819,5 @@ idem_outbox_cleanup(PG_FUNCTION_ARGS)
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 				 errmsg("batch must not be null")));
 	PreventCommandIfReadOnly("idem_outbox_cleanup()");
-	PG_RETURN_INT64(outbox_cleanup(PG_GETARG_INT32(0)));
+	PG_RETURN_INT64(outbox_cleanup(PG_GETARG_INT32(0), NULL));
 }

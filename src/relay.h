@@ -54,9 +54,10 @@ extern int64 relay_loop_run(int max_events, TimestampTz *wake_at, bool *full);
 /*
  * Sleep at most timeout_ms, until a request of the loop has news (a socket
  * is ready, or one of libcurl's timers is due) or the latch is set (reset
- * here): the worker's wait between iterations.
+ * here): the worker's wait between iterations.  Returns whether the latch
+ * was set.
  */
-extern void relay_loop_wait(long timeout_ms, uint32 wait_event_info);
+extern bool relay_loop_wait(long timeout_ms, uint32 wait_event_info);
 
 /* Requests of the relay loop in flight. */
 extern int	relay_loop_in_flight(void);
@@ -87,9 +88,11 @@ extern TimestampTz relay_next_due(void);
  * and events older than that with no delivery left, in batches of batch
  * rows; fold the per-pass statistics rows.  Returns the number of events
  * removed.  Outside a transaction, does nothing while
- * default_transaction_read_only is on.
+ * default_transaction_read_only is on, and calls between (if not NULL)
+ * after each batch, outside any transaction: the worker's relay goes on
+ * meanwhile.
  */
-extern int64 outbox_cleanup(int batch);
+extern int64 outbox_cleanup(int batch, void (*between) (void));
 
 /*
  * Start relay helpers in the current database until idempotency.relay_workers

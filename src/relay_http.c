@@ -1218,7 +1218,7 @@ http_async_abandon(void)
  * commit, SIGHUP, SIGTERM) or timeout_ms has passed.  Returns at once when
  * libcurl has work to do now.
  */
-void
+bool
 http_async_wait(long timeout_ms, uint32 wait_event_info)
 {
 	fd_set		rd;
@@ -1251,7 +1251,7 @@ http_async_wait(long timeout_ms, uint32 wait_event_info)
 				nevents++;
 	}
 	if (timeout_ms <= 0)
-		return;
+		return false;
 	wait_ms = timeout_ms;
 
 #if PG_VERSION_NUM >= 170000
@@ -1286,4 +1286,5 @@ http_async_wait(long timeout_ms, uint32 wait_event_info)
 	PG_END_TRY();
 	if (latch_set)
 		ResetLatch(MyLatch);
+	return latch_set;
 }

@@ -129,6 +129,6 @@ extern void http_async_start(RelayItem *it);
 extern int	http_async_in_flight(void);
 extern List *http_async_collect(void);
 extern void http_async_abandon(void);
-extern void http_async_wait(long timeout_ms, uint32 wait_event_info);
+extern bool http_async_wait(long timeout_ms, uint32 wait_event_info);
 
 #endif							/* IDEM_RELAY_HTTP_H */

@@ -468,10 +468,10 @@ relay_loop_run(int max_events, TimestampTz *wake_at, bool *full)
 }
 
 /* See relay.h. */
-void
+bool
 relay_loop_wait(long timeout_ms, uint32 wait_event_info)
 {
-	http_async_wait(timeout_ms, wait_event_info);
+	return http_async_wait(timeout_ms, wait_event_info);
 }
 
 /* See relay.h. */

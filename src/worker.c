@@ -182,6 +182,23 @@ typedef enum CleanupRowResult
 static char worker_dbname[NAMEDATALEN];
 
 /*
+ * The relay as the worker drives it, between cleanup batches too: what the
+ * last slice found out, a wakeup seen meanwhile, and the backoff after
+ * errors.
+ */
+static struct
+{
+	TimestampTz due;			/* when the relay next has work, or 0 */
+	bool		more;			/* the last slice ran out with work left */
+	bool		woken;			/* the latch was set, or requests completed */
+	TimestampTz retry_at;		/* backing off after an error until then */
+	int			errors;			/* errors in a row */
+	char		context[NAMEDATALEN + 64];	/* for the error context */
+} relay_state;
+
+static void worker_relay_between_batches(void);
+
+/*
  * Check hook of idempotency.databases: a comma-separated list of database
  * names (double-quoted where they contain commas or spaces), each at most
  * NAMEDATALEN - 1 bytes, none twice.
@@ -731,15 +748,18 @@ worker_pass(void)
 				return true;
 			}
 			first = false;
-			/* Pace the pass, outside any transaction; SIGTERM cuts the pause short. */
-			if (idem_cleanup_delay > 0 && !pass.table_done)
-			{
-				(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
-								 idem_cleanup_delay, PG_WAIT_EXTENSION);
-				ResetLatch(MyLatch);
-			}
+			/*
+			 * Pace the pass, outside any transaction; SIGTERM cuts the pause
+			 * short.  The relay's requests in flight and a publishing commit
+			 * are heeded meanwhile: the relay goes on between batches.
+			 */
+			if (idem_cleanup_delay > 0 && !pass.table_done &&
+				relay_loop_wait(idem_cleanup_delay, PG_WAIT_EXTENSION))
+				relay_state.woken = true;
 			CHECK_FOR_INTERRUPTS();
 			worker_reload_if_pending();
+			if (!pass.table_done)
+				worker_relay_between_batches();
 			pass.batch_size = idem_cleanup_batch_size;
 		} while (!pass.table_done);
 	}
@@ -835,6 +855,80 @@ worker_relay_slice(void *arg)
 }
 
 /*
+ * One relay slice, guarded (bgworker_run_guarded): an error is logged and
+ * the relay backs off, from RELAY_MIN_BACKOFF_MS doubling up to
+ * RELAY_MAX_BACKOFF_MS, while cleanup goes on.  Updates relay_state.
+ */
+static void
+worker_relay_step(void)
+{
+	RelaySlice	slice = {0, false};
+
+	relay_state.due = 0;
+	relay_state.more = false;
+	relay_state.woken = false;
+	if (RecoveryInProgress())
+		return;
+	if (GetCurrentTimestamp() < relay_state.retry_at)
+		relay_state.due = relay_state.retry_at;	/* backing off after an error */
+	else if (bgworker_run_guarded(relay_state.context, worker_relay_slice, &slice))
+	{
+		relay_state.errors = 0;
+		relay_state.due = slice.due;
+		relay_state.more = slice.more;
+	}
+	else
+	{
+		int64		backoff = RELAY_MIN_BACKOFF_MS;
+
+		for (int i = 0; i < relay_state.errors && backoff < RELAY_MAX_BACKOFF_MS; i++)
+			backoff *= 2;
+		relay_state.errors++;
+		relay_state.retry_at = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
+														   Min(backoff, RELAY_MAX_BACKOFF_MS));
+		relay_state.due = relay_state.retry_at;
+	}
+}
+
+/* One iteration of the relay loop that claims nothing, for bgworker_run_guarded. */
+static void
+worker_relay_collect(void *arg)
+{
+	TimestampTz wake_at;
+	bool		full;
+
+	*(int64 *) arg = relay_loop_run(0, &wake_at, &full);
+}
+
+/*
+ * Between two batches of a cleanup pass: keep the relay going, so that a
+ * long cleanup holds up no outcome and no delivery.  A full slice when a
+ * commit woke the worker, when the relay has work due or left over, or when
+ * requests completed since the last one (their destinations have room
+ * again); else, while webhooks are in flight, only collect and record the
+ * outcomes of those that completed (no transaction when none did).  The
+ * pause between batches (idempotency.cleanup_delay) waits on the requests'
+ * sockets as well as on the latch.
+ */
+static void
+worker_relay_between_batches(void)
+{
+	if (RecoveryInProgress() || DefaultXactReadOnly)
+		return;
+	if (relay_state.woken || relay_state.more ||
+		(relay_state.due != 0 && GetCurrentTimestamp() >= relay_state.due))
+		worker_relay_step();
+	else if (relay_loop_in_flight() > 0)
+	{
+		int64		attempted = 0;
+
+		if (bgworker_run_guarded(relay_state.context, worker_relay_collect, &attempted) &&
+			attempted > 0)
+			relay_state.woken = true;	/* room again: claim at the next batch */
+	}
+}
+
+/*
  * A cleanup pass over the records and the inbox, for bgworker_run_guarded;
  * *arg (a bool) becomes false when the extension was not there to clean.
  */
@@ -844,11 +938,11 @@ worker_cleanup_records(void *arg)
 	*(bool *) arg = worker_pass();
 }
 
-/* Outbox retention, for bgworker_run_guarded. */
+/* Outbox retention, for bgworker_run_guarded; the relay goes on between its batches. */
 static void
 worker_cleanup_outbox(void *arg)
 {
-	(void) outbox_cleanup(idem_cleanup_batch_size);
+	(void) outbox_cleanup(idem_cleanup_batch_size, worker_relay_between_batches);
 }
 
 /*
@@ -865,9 +959,6 @@ idem_worker_main(Datum main_arg)
 	Oid			dbid = DatumGetObjectId(main_arg);
 	TimestampTz last_pass = 0;
 	TimestampTz recheck_at = 0;	/* look for the extension again, if set */
-	TimestampTz relay_retry_at = 0;
-	int			relay_errors = 0;
-	char		relay_context[NAMEDATALEN + 64];
 	char		cleanup_context[NAMEDATALEN + 64];
 	int			registered;
 
@@ -883,7 +974,7 @@ idem_worker_main(Datum main_arg)
 	SetConfigOption("default_transaction_isolation", "read committed",
 					PGC_SUSET, PGC_S_OVERRIDE);
 
-	snprintf(relay_context, sizeof(relay_context),
+	snprintf(relay_state.context, sizeof(relay_state.context),
 			 "idempotency relay of database \"%s\"", worker_dbname);
 	snprintf(cleanup_context, sizeof(cleanup_context),
 			 "idempotency cleanup of database \"%s\"", worker_dbname);
@@ -913,30 +1004,9 @@ idem_worker_main(Datum main_arg)
 		worker_reload_if_pending();
 
 		/* The outbox first: a publishing commit set our latch. */
-		if (!RecoveryInProgress())
-		{
-			RelaySlice	slice = {0, false};
-
-			if (GetCurrentTimestamp() < relay_retry_at)
-				relay_due = relay_retry_at; /* backing off after an error */
-			else if (bgworker_run_guarded(relay_context, worker_relay_slice, &slice))
-			{
-				relay_errors = 0;
-				relay_due = slice.due;
-				relay_more = slice.more;
-			}
-			else
-			{
-				int64		backoff = RELAY_MIN_BACKOFF_MS;
-
-				for (int i = 0; i < relay_errors && backoff < RELAY_MAX_BACKOFF_MS; i++)
-					backoff *= 2;
-				relay_errors++;
-				relay_retry_at = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
-															 Min(backoff, RELAY_MAX_BACKOFF_MS));
-				relay_due = relay_retry_at;
-			}
-		}
+		worker_relay_step();
+		relay_due = relay_state.due;
+		relay_more = relay_state.more;
 
 		now = GetCurrentTimestamp();
 		next = TimestampTzPlusMilliseconds(last_pass, (int64) idem_cleanup_interval * 1000);
@@ -972,7 +1042,7 @@ idem_worker_main(Datum main_arg)
 		 * Sleep until then, or until a webhook in flight has news, or a
 		 * publishing commit (or a signal) sets our latch.
 		 */
-		relay_loop_wait(timeout, PG_WAIT_EXTENSION);
+		(void) relay_loop_wait(timeout, PG_WAIT_EXTENSION);
 	}
 }
 

@@ -87,4 +87,17 @@ SELECT d.name AS destination, d.kind,
 		 WHERE x.destination_id OPERATOR(pg_catalog.=) d.id
 		   AND x.state OPERATOR(pg_catalog.<>) 'delivered') q ON true;
 
+/*
+ * The relay's "when next": each destination's earliest pending delivery,
+ * one index probe per destination (in (next_attempt_at, seq) order, which
+ * deliveries_due cannot give: the relay's statements run without sorts, so
+ * the planner cannot take deliveries_due instead, whatever the statistics
+ * say).  deliveries_due alone orders every
+ * destination's deliveries together, and finding the earliest of those that
+ * may be claimed meant walking past the whole due backlog of a destination
+ * whose requests are all in flight, on every iteration of the relay's loop.
+ */
+CREATE INDEX deliveries_due_by_destination ON idempotency.deliveries (destination_id, next_attempt_at, seq)
+	WHERE state OPERATOR(pg_catalog.=) 'pending';
+
 -- (end of outbox section)

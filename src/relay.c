@@ -163,9 +163,10 @@ relay_prepare(SPIPlanPtr *plan, const char *sql, int nargs, Oid *argtypes)
  * sorts the whole backlog on every pass, or reads it once per delivery of
  * the batch.  The statements are shaped for that (see CLAIM_UPDATE); these
  * settings take away the planner's remaining ways around it: no sequential
- * scans, no sorts (the due deliveries come from deliveries_due in
- * next_attempt_at order, and the scan stops after max_events of them), no
- * bitmap scans.  A large backlog also makes the estimates cross
+ * scans, no sorts, full or incremental (the due deliveries come from
+ * deliveries_due in next_attempt_at order, and the scan stops after
+ * max_events of them; each destination's earliest from
+ * deliveries_due_by_destination), no bitmap scans.  A large backlog also makes the estimates cross
  * jit_above_cost, and compiling would cost more than these short statements
  * run: no JIT.  Destination functions never run under these settings.
  */
@@ -177,6 +178,8 @@ relay_plan_settings(void)
 	(void) set_config_option("enable_seqscan", "off", PGC_USERSET, PGC_S_SESSION,
 							 GUC_ACTION_SAVE, true, 0, false);
 	(void) set_config_option("enable_sort", "off", PGC_USERSET, PGC_S_SESSION,
+							 GUC_ACTION_SAVE, true, 0, false);
+	(void) set_config_option("enable_incremental_sort", "off", PGC_USERSET, PGC_S_SESSION,
 							 GUC_ACTION_SAVE, true, 0, false);
 	(void) set_config_option("enable_bitmapscan", "off", PGC_USERSET, PGC_S_SESSION,
 							 GUC_ACTION_SAVE, true, 0, false);
@@ -1604,7 +1607,9 @@ bgworker_run_guarded(const char *what, void (*unit) (void *arg), void *arg)
  * delivery of an active destination that may be claimed now (neither paced
  * by Retry-After nor with an open circuit waiting for its probe time, nor
  * among the nfull destinations in full, whose requests are all in flight),
- * or the end of such a wait; 0 if none.
+ * or the end of such a wait; 0 if none.  Each destination's earliest
+ * pending delivery is one probe of deliveries_due_by_destination: a full
+ * destination's due backlog, however large, is never walked.
  */
 TimestampTz
 relay_next_due_except(int32 *full, int nfull)
@@ -1625,15 +1630,15 @@ relay_next_due_except(int32 *full, int nfull)
 		return 0;
 	plan = relay_prepare(&next_due_plan,
 						 "SELECT least("
-						 " (SELECT min(d.next_attempt_at)"
-						 "    FROM idempotency.deliveries d"
-						 "   WHERE d.state = 'pending'"
-						 "     AND d.destination_id = ANY (ARRAY("
-						 "          SELECT t.id FROM idempotency.destinations t"
-						 "           WHERE NOT t.paused AND t.disabled_at IS NULL"
-						 "             AND (t.paced_until IS NULL OR t.paced_until <= $1)"
-						 "             AND (t.circuit <> 'open' OR t.next_probe_at <= $1)"
-						 "             AND t.id <> ALL ($2)))),"
+						 " (SELECT min(n.at)"
+						 "    FROM idempotency.destinations t,"
+						 "    LATERAL (SELECT d.next_attempt_at AS at FROM idempotency.deliveries d"
+						 "              WHERE d.state = 'pending' AND d.destination_id = t.id"
+						 "              ORDER BY d.next_attempt_at, d.seq LIMIT 1) n"
+						 "   WHERE NOT t.paused AND t.disabled_at IS NULL"
+						 "     AND (t.paced_until IS NULL OR t.paced_until <= $1)"
+						 "     AND (t.circuit <> 'open' OR t.next_probe_at <= $1)"
+						 "     AND t.id <> ALL ($2)),"
 						 " (SELECT min(greatest(t.paced_until,"
 						 "                      CASE WHEN t.circuit = 'open' THEN t.next_probe_at END))"
 						 "    FROM idempotency.destinations t"

@@ -10,9 +10,11 @@
 #  - disable_after: open and failing for longer, the destination is
 #    disabled with a reason;
 #  - timeout (total) ends an attempt to an endpoint that accepts and never
-#    answers, and a shorter connect_timeout does not cut it short.  (A
-#    connection that never completes could not be made reliably on loopback:
-#    the kernel completes it even with a full accept queue.)
+#    answers, and a shorter connect_timeout does not cut it short;
+#  - connect_timeout ends an attempt whose connection never completes, long
+#    before the total timeout: a listener with a backlog of 1 that never
+#    accepts, its accept queue filled by the test, drops further SYNs (Linux
+#    completes a loopback connection only while the accept queue has room).
 use strict;
 use warnings;
 
@@ -165,6 +167,32 @@ cmp_ok($took, '>=', 1.4, sprintf('an endpoint that connects and never answers: t
 like(q1(q{SELECT last_error FROM idem_outbox_dead WHERE destination = 'bh'}),
 	qr/(?i)operation timed out after 1[45]\d\d milliseconds/, 'the connect timeout did not cut it short');
 
+# A connection that never completes: the connect timeout, not the total.
+my $full = IO::Socket::INET->new(LocalAddr => '127.0.0.1', LocalPort => 0,
+	Proto => 'tcp', Listen => 1, ReuseAddr => 1) or die "cannot listen: $!";
+my $full_port = $full->sockport;
+my @queued;
+for (1 .. 16)
+{
+	my $c = IO::Socket::INET->new(PeerAddr => '127.0.0.1', PeerPort => $full_port,
+		Proto => 'tcp', Timeout => 2);
+	last unless $c;    # the queue is full: this connect hung
+	push @queued, $c;
+}
+cmp_ok(scalar(@queued), '<', 16, 'a connection to the full listener does not complete');
+create('hang', "http://127.0.0.1:$full_port/hook",
+	'{"connect_timeout": "1s", "timeout": "30s", "max_attempts": 1}');
+q1(q{SELECT idem_publish('hang.x', '{}')});
+$t0 = time();
+relay();
+$took = time() - $t0;
+cmp_ok($took, '<', 20, sprintf('a connection that never completes: the connect timeout, not the 30-s total (%.1f s)', $took));
+my $hang_error = q1(q{SELECT last_error FROM idem_outbox_dead WHERE destination = 'hang'});
+like($hang_error, qr/(?i)connect/, "and the error says so ($hang_error)");
+unlike($hang_error, qr/(?i)after (29|30)\d\d\d milli/, 'not the total timeout');
+
+close $_ for @queued;
+close $full;
 close $bh;
 $sink->stop;
 $node->stop;

@@ -47,9 +47,9 @@
  * in-database delivery and record steps; the per-destination endpoint state
  * (circuit, pacing, disabling) is relay_circuit.c's.
  *
- * relay_run (relay helpers) runs the steps in transactions of its
- * own: the attempt count is committed before any effect, and HTTP requests
- * are made while no transaction is open.  idem_outbox_relay (SQL) runs in
+ * relay_run (the test harness, relay_harness.c) runs the steps in
+ * transactions of its own: the attempt count is committed before any
+ * effect, and HTTP requests are made while no transaction is open.  idem_outbox_relay (SQL) runs in
  * the caller's transaction: the same code, the same statements, without the
  * commits.  Everything it does -- claims, NOTIFYs, function effects, outcomes
  * -- then commits or rolls back with the caller's transaction; HTTP requests

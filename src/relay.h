@@ -3,9 +3,11 @@
  * relay.h
  *	  The outbox relay: what the per-database background worker calls.
  *
- * The worker's loop (not inside a transaction) calls relay_run() when its
- * latch is set or when relay_next_due() has come, and outbox_cleanup() now
- * and then.  Both manage their own transactions when called outside one, and
+ * The worker's loop (not inside a transaction) calls relay_loop_run() when
+ * its latch is set, a request has news or the relay's next due time has
+ * come, and outbox_cleanup() now and then; relay helpers run the same
+ * loop.  A relay pass (relay_run, and idem_outbox_relay in SQL) and
+ * outbox_cleanup manage their own transactions when called outside one, and
  * work inside the caller's transaction otherwise (the SQL entry points
  * idem_outbox_relay and idem_outbox_cleanup).  An error propagates to the
  * caller, whose error handling must abort the transaction.
@@ -22,9 +24,10 @@
 /*
  * One relay pass in the current database: claim up to max_events due
  * deliveries across all active destinations, deliver them, record the
- * outcomes.  Returns the number of deliveries attempted.  The worker passes
- * idempotency.relay_batch_size (relay_batch_size in outbox.h), and calls
- * again at once while a pass attempted anything.  A pass does nothing on a
+ * outcomes, waiting for every request of the batch.  Returns the number of
+ * deliveries attempted.  Neither the worker nor the helpers use it any
+ * more (they run relay_loop_run); the test harness (relay_harness.c) does,
+ * in a process of its own.  A pass does nothing on a
  * hot standby, while default_transaction_read_only is on, in a database
  * without the outbox, or while another session holds a lock on the
  * deliveries that it would wait for.

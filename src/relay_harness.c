@@ -1,15 +1,16 @@
 /*-------------------------------------------------------------------------
  *
  * relay_harness.c
- *	  A test and benchmark harness for relay_run: the worker's code path.
+ *	  A test and benchmark harness for relay_run: a relay pass in a process
+ *	  of its own.
  *
- * relay_run is meant to be called by the per-database background worker,
- * outside any transaction, so that it commits its claims before delivering
- * and makes HTTP requests while no transaction is open.  Until that worker
- * exists, and to test this path on its own, idem_relay_harness() starts a
- * short-lived dynamic background worker in the caller's database that calls
- * relay_run exactly as the worker will, waits for it and returns the number
- * of deliveries attempted.
+ * relay_run is a synchronous pass called outside any transaction, so that
+ * it commits its claims before delivering and makes HTTP requests while no
+ * transaction is open.  (The per-database worker and its helpers no longer
+ * run passes: they run relay_loop_run, see relay_loop.c.)  To test this
+ * path on its own, idem_relay_harness() starts a short-lived dynamic
+ * background worker in the caller's database that calls relay_run, waits
+ * for it and returns the number of deliveries attempted.
  *
  * It is not part of the extension's SQL API: the tests and bench/ declare it
  * themselves, as a superuser, with

@@ -100,4 +100,11 @@ SELECT d.name AS destination, d.kind,
 CREATE INDEX deliveries_due_by_destination ON idempotency.deliveries (destination_id, next_attempt_at, seq)
 	WHERE state OPERATOR(pg_catalog.=) 'pending';
 
+/*
+ * The relay claims destination by destination, through
+ * deliveries_due_by_destination: nothing reads deliveries_due any more, and
+ * every claim and every outcome recorded would still pay for its entries.
+ */
+DROP INDEX idempotency.deliveries_due;
+
 -- (end of outbox section)

@@ -67,18 +67,20 @@ SELECT relname, seq_tup_read, idx_tup_fetch < (2000 + 200) * 5 AS bounded_by_bac
   FROM pass_reads(200);
 SELECT count(*) AS delivered FROM plan_sink;
 
--- When a pass finds fewer heads than it could take, the next one looks for
--- heads among the oldest due deliveries first (four times its size), and
--- beyond them only if it is not full.  Nothing may hide behind that window:
--- 50 deliveries of key 'held' wait behind their head, which is not due (a
--- failed attempt's backoff, here set by hand), and fill the window of a
--- pass of 5; an event without a key, published after them, must still go.
+-- When a claim finds fewer heads than its shares, the next ones walk each
+-- destination's due deliveries only as far as a window (four times its
+-- share, at least 64 deliveries), and look beyond it at most once a second.
+-- Nothing may hide behind that window for longer: 100 deliveries of key
+-- 'held' wait behind their head, which is not due (a failed attempt's
+-- backoff, here set by hand), and fill the window of a pass of 5; an event
+-- without a key, published after them, goes in a pass a second later.
 SELECT idem_outbox_relay(2000);
-SELECT idem_outbox_relay(5) AS empty_pass;   -- few heads: the next pass looks in the window first
-SELECT count(idem_publish('plans', jsonb_build_object('n', g), 'held')) FROM generate_series(1, 50) g;
+SELECT idem_outbox_relay(5) AS empty_pass;
+SELECT count(idem_publish('plans', jsonb_build_object('n', g), 'held')) FROM generate_series(1, 100) g;
 UPDATE idempotency.deliveries SET next_attempt_at = now() + interval '1 hour'
  WHERE key = 'held' AND seq = (SELECT min(seq) FROM idempotency.deliveries WHERE key = 'held');
 SELECT idem_publish('plans', '{"late": true}') IS NOT NULL AS published;
+SELECT pg_sleep(1.1);
 SELECT idem_outbox_relay(5) AS attempted;
 SELECT count(*) FILTER (WHERE o.payload ? 'late') AS late_delivered,
 	   count(*) FILTER (WHERE o.key = 'held') AS held_delivered
@@ -87,9 +89,11 @@ SELECT count(*) FILTER (WHERE o.payload ? 'late') AS late_delivered,
 
 -- Nor may a key whose long backlog fills the window hold back the keys and
 -- events behind it: at least once a second a windowed pass also takes heads
--- from beyond the window (up to a quarter of its room).  1000 deliveries of key 'hot',
--- then five later events (two of key 'cold', three without a key); after a
--- second, a pass of 10 takes some of the later ones along.
+-- from beyond the window (with the rest of its room).  1000 deliveries of
+-- key 'hot', then five later events (two of key 'cold', three without a
+-- key); after a second, a pass of 10 takes the later ones along: the head of
+-- 'hot' in the window, then beyond it the head of 'cold' and the three
+-- without a key, then the followers of 'hot' (three) and of 'cold' (one).
 DELETE FROM idempotency.deliveries WHERE key = 'held';
 SELECT count(idem_publish('plans', jsonb_build_object('n', g), 'hot')) FROM generate_series(1, 1000) g;
 SELECT count(idem_publish('plans', jsonb_build_object('later', g), CASE WHEN g <= 2 THEN 'cold' END))

@@ -104,7 +104,7 @@
 
 /* The saved statements. */
 static SPIPlanPtr claim_plan = NULL;
-static SPIPlanPtr claim_all_plan = NULL;
+static SPIPlanPtr rooms_plan = NULL;
 static SPIPlanPtr followers_plan = NULL;
 static SPIPlanPtr dests_plan = NULL;
 static SPIPlanPtr lock_plan = NULL;
@@ -468,73 +468,109 @@ relay_read_claimed(MemoryContext cxt, RelayItem **items, int n)
 }
 
 /*
- * Claim the due deliveries that may go now: no earlier delivery of their key
- * to their destination is undelivered (the heads of their keys), oldest
- * first, up to max_events.  Appends them to items after the first n; returns
- * the new count.  waves sizes the visibility deadline (see CLAIM_UPDATE);
- * rooms bounds the requests the claim may open, and counts those it takes.
+ * Claiming the heads of keys: the due deliveries that may go now, no
+ * earlier delivery of their key to their destination being undelivered.
+ *
+ * A claim works destination by destination, so that a destination that may
+ * take nothing costs nothing: neither a paused or disabled one, nor one
+ * paced by Retry-After or whose open circuit waits for its probe time, nor
+ * one whose requests are all in flight -- however large its backlog.  First
+ * one statement (ROOMS_SQL) reads, for each destination with room, how many
+ * deliveries are due, up to its room, and when the oldest of them became
+ * due: one short walk of deliveries_due_by_destination each.  Then
+ * relay_takes shares out the claim's bounds (max_events; for webhooks, the
+ * room left below idempotency.relay_max_in_flight) between them, and one
+ * statement (CLAIM_HEADS) takes, for each destination, at most its share of
+ * heads, oldest first, through the same index, locking with FOR UPDATE
+ * SKIP LOCKED only the rows it takes (LIMIT sits above the lock).
  *
  * Finding heads means walking past the due deliveries that wait behind an
- * earlier one of their key.  When a backlog sits on few keys that is nearly
- * all of it, on every pass.  So after a pass that found fewer heads than it
- * could take, the next one first looks only at the oldest HEADS_WINDOW times
- * max_events due deliveries (windowed), and at the rest if the pass is not
- * full after that, and at least once a second anyway (see relay_claim);
- * while heads are plentiful, the window (which costs a walk of its own) is
- * left out.  Whether an earlier delivery of the key is undelivered is asked
- * backwards from the
- * delivery's seq (a scalar subquery: EXISTS would drop the ORDER BY): a
- * waiting delivery finds its predecessor at once, instead of walking first
- * past the index entries its key's delivered deliveries left behind.
+ * earlier one of their key.  When a destination's backlog sits on few keys
+ * that is nearly all of it.  So after a claim that found fewer heads than
+ * its shares, the next ones walk each destination's due deliveries only as
+ * far as HEADS_WINDOW times its share (windowed), and at most once every
+ * HEADS_BEYOND_MS a claim looks beyond the window (see relay_claim); while
+ * heads are plentiful, the window (which costs a walk of its own) is left
+ * out.  Whether an earlier delivery of the key is undelivered is asked
+ * backwards from the delivery's seq (a scalar subquery: EXISTS would drop
+ * the ORDER BY): a waiting delivery finds its predecessor at once, instead
+ * of walking first past the index entries its key's delivered deliveries
+ * left behind.
  */
 #define HEADS_WINDOW	4
 
-/* How often a windowed pass also looks beyond the window, at the longest. */
+/* The shortest window, in deliveries per destination. */
+#define HEADS_WINDOW_MIN	64
+
+/* How often a windowed claim also looks beyond the window, at the longest. */
 #define HEADS_BEYOND_MS	1000
 
-#define CLAIM_HEADS(window) \
-	"WITH room AS MATERIALIZED (" \
+/*
+ * Each destination that may take deliveries now: its room ($2 for in-database
+ * destinations and, when $3 is false, for webhooks too; one request while
+ * its circuit is open; else its max_in_flight; less the chains the caller
+ * holds, $4 and $5), the number of its due deliveries up to one more than
+ * that room (more: a backlog), and when the oldest of those became due.  A
+ * destination without room reads nothing (LIMIT 0).
+ */
+#define ROOMS_SQL \
+	"SELECT r.id, r.http, r.room, o.avail, o.oldest FROM (" \
 	" SELECT t.id, t.kind = 'http' AS http," \
 	"        CASE WHEN t.kind <> 'http' THEN $2 WHEN t.circuit = 'open' THEN 1" \
-	"             WHEN $6 THEN t.max_in_flight ELSE $2 END" \
-	"        - coalesce((SELECT a.n FROM unnest($7::int4[], $8::int4[]) AS a(id, n)" \
+	"             WHEN $3 THEN t.max_in_flight ELSE $2 END" \
+	"        - coalesce((SELECT a.n FROM unnest($4::int4[], $5::int4[]) AS a(id, n)" \
 	"                     WHERE a.id = t.id LIMIT 1), 0) AS room" \
 	"   FROM idempotency.destinations t" \
 	"  WHERE NOT t.paused AND t.disabled_at IS NULL" \
 	"    AND (t.paced_until IS NULL OR t.paced_until <= $1)" \
-	"    AND (t.circuit <> 'open' OR t.next_probe_at <= $1))," \
-	" candidates AS MATERIALIZED (" \
-	" SELECT d.ctid AS tid, d.visible_until IS NOT NULL AS interrupted," \
-	"        d.destination_id, d.next_attempt_at" \
-	"   FROM idempotency.deliveries d" \
-	"  WHERE d.state = 'pending' AND d.next_attempt_at <= $1" window \
-	"    AND d.destination_id IN (SELECT r.id FROM room r WHERE r.room > 0)" \
-	"    AND (d.key IS NULL OR (" \
-	"          SELECT e.seq FROM idempotency.deliveries e" \
-	"           WHERE e.destination_id = d.destination_id AND e.key = d.key" \
-	"             AND e.seq < d.seq AND e.state <> 'delivered'" \
-	"           ORDER BY e.seq DESC LIMIT 1) IS NULL)" \
-	"  ORDER BY d.next_attempt_at" \
-	"  LIMIT $2" \
-	"    FOR UPDATE OF d SKIP LOCKED)," \
+	"    AND (t.circuit <> 'open' OR t.next_probe_at <= $1)) r," \
+	" LATERAL (SELECT count(*)::int4 AS avail, min(w.next_attempt_at) AS oldest FROM (" \
+	"   SELECT d.next_attempt_at FROM idempotency.deliveries d" \
+	"    WHERE d.destination_id = r.id AND d.state = 'pending' AND d.next_attempt_at <= $1" \
+	"    ORDER BY d.next_attempt_at, d.seq" \
+	"    LIMIT CASE WHEN r.room > 0 THEN r.room + 1 ELSE 0 END) w) o" \
+	" WHERE r.room > 0 AND o.avail > 0"
+
+/*
+ * Take, for each destination $5[i], at most $6[i] heads of keys, oldest
+ * first (see the comment above HEADS_WINDOW), each walk bounded by its
+ * window (HEADS_WINDOW_JOIN).
+ */
+#define CLAIM_HEADS \
+	"WITH takes AS MATERIALIZED (" \
+	" SELECT k.id, k.take, coalesce(w.at, $1) AS win_at," \
+	"        coalesce(w.seq, 9223372036854775807) AS win_seq" \
+	"   FROM unnest($5::int4[], $6::int4[]) AS k(id, take)" \
+	HEADS_WINDOW_JOIN "),"\
 	" picked AS MATERIALIZED (" \
-	" SELECT c.tid, c.interrupted FROM (" \
-	"   SELECT c.tid, c.interrupted, r.room, r.http," \
-	"          row_number() OVER (PARTITION BY c.destination_id ORDER BY c.next_attempt_at) AS rank," \
-	"          row_number() OVER (PARTITION BY r.http ORDER BY c.next_attempt_at) AS kind_rank" \
-	"     FROM candidates c JOIN room r ON r.id = c.destination_id) c" \
-	"  WHERE c.rank <= c.room AND (NOT c.http OR c.kind_rank <= $9))" \
+	" SELECT c.tid, c.interrupted FROM takes k, LATERAL (" \
+	"   SELECT d.ctid AS tid, d.visible_until IS NOT NULL AS interrupted" \
+	"     FROM idempotency.deliveries d" \
+	"    WHERE d.destination_id = k.id AND d.state = 'pending' AND d.next_attempt_at <= $1" \
+	"      AND (d.next_attempt_at, d.seq) <= (k.win_at, k.win_seq)" \
+	"      AND (d.key IS NULL OR (" \
+	"            SELECT e.seq FROM idempotency.deliveries e" \
+	"             WHERE e.destination_id = d.destination_id AND e.key = d.key" \
+	"               AND e.seq < d.seq AND e.state <> 'delivered'" \
+	"             ORDER BY e.seq DESC LIMIT 1) IS NULL)" \
+	"    ORDER BY d.next_attempt_at, d.seq" \
+	"    LIMIT k.take" \
+	"      FOR UPDATE OF d SKIP LOCKED) c)" \
 	CLAIM_UPDATE
 
-/* The window: no later than the $5-th oldest due delivery. */
-#define HEADS_WINDOW_SQL \
-	" AND d.next_attempt_at <= (" \
-	"  SELECT max(w.next_attempt_at) FROM (" \
-	"   SELECT w.next_attempt_at FROM idempotency.deliveries w" \
-	"    WHERE w.state = 'pending' AND w.next_attempt_at <= $1" \
-	"      AND w.destination_id IN (SELECT t.id FROM idempotency.destinations t" \
-	"                                WHERE NOT t.paused AND t.disabled_at IS NULL)" \
-	"    ORDER BY w.next_attempt_at LIMIT $5) w)"
+/*
+ * The window: a destination's walk stops at its ($2 times its share, at least
+ * HEADS_WINDOW_MIN)-th due delivery in (next_attempt_at, seq) order, an index
+ * bound; no bound when it has fewer, or when $2 is 0 (a claim that is not
+ * windowed: nothing is read for it).
+ */
+#define HEADS_WINDOW_JOIN \
+	" LEFT JOIN LATERAL (" \
+	"   SELECT w.next_attempt_at AS at, w.seq FROM idempotency.deliveries w" \
+	"    WHERE $2 > 0 AND w.destination_id = k.id AND w.state = 'pending'" \
+	"      AND w.next_attempt_at <= $1" \
+	"    ORDER BY w.next_attempt_at, w.seq" \
+	"   OFFSET greatest(k.take * $2, " CppAsString2(HEADS_WINDOW_MIN) ") LIMIT 1) w ON true"
 
 /* Count the 'http' heads just claimed (items[first .. n - 1]) against rooms. */
 void
@@ -568,25 +604,78 @@ relay_rooms_take(RelayRooms *rooms, RelayItem **items, int first, int n)
 	}
 }
 
-/* Claim the heads of keys that may go now (see the comment above HEADS_WINDOW). */
-static int
-relay_claim_heads(int max_events, bool windowed, int waves, RelayRooms *rooms,
-				  TimestampTz now, MemoryContext cxt, RelayItem **items, int n)
+/* The chains held for destination id, per rooms. */
+static int32
+relay_rooms_active(RelayRooms *rooms, int32 id)
 {
-	Oid			argtypes[9] = {TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID, INT4OID,
-		BOOLOID, INT4ARRAYOID, INT4ARRAYOID, INT4OID};
-	Datum		values[9];
+	for (int j = 0; j < rooms->n; j++)
+		if (rooms->ids[j] == id)
+			return rooms->active[j];
+	return 0;
+}
+
+/* A destination with room, as ROOMS_SQL reads it, and its share of the claim. */
+typedef struct RelayShare
+{
+	int32		id;
+	bool		http;
+	int32		room;			/* deliveries it may take */
+	int32		avail;			/* due deliveries, up to its room + 1 */
+	TimestampTz oldest;			/* when the oldest of them became due */
+	int32		active;			/* chains the caller holds */
+	int32		take;			/* its share */
+} RelayShare;
+
+/*
+ * Order shares for the claim's bounds: in the worker's loop webhooks first
+ * (in-database deliveries never take their room), the destinations with
+ * the fewest requests in flight first (a destination with a long backlog
+ * cannot keep the others below idempotency.relay_max_in_flight out), then
+ * oldest first; in a pass, oldest first.
+ */
+static bool relay_shares_loop_order;
+
+static int
+relay_share_cmp(const void *a, const void *b)
+{
+	const RelayShare *x = a;
+	const RelayShare *y = b;
+
+	if (relay_shares_loop_order)
+	{
+		if (x->http != y->http)
+			return x->http ? -1 : 1;
+		if (x->active != y->active)
+			return x->active < y->active ? -1 : 1;
+	}
+	if (x->oldest != y->oldest)
+		return x->oldest < y->oldest ? -1 : 1;
+	return (x->id > y->id) - (x->id < y->id);
+}
+
+/*
+ * Read each destination's room and due deliveries (ROOMS_SQL) and share out
+ * max_events -- and rooms->http_room among webhooks -- in share order.
+ * Returns the destinations given a share, in shares (allocated here); sets
+ * *wanted to the sum of the shares, and *backlog if a destination has more
+ * deliveries due than its share.
+ */
+static int
+relay_takes(int max_events, RelayRooms *rooms, TimestampTz now, RelayShare **shares,
+			int *wanted, bool *backlog)
+{
+	Oid			argtypes[5] = {TIMESTAMPTZOID, INT4OID, BOOLOID, INT4ARRAYOID, INT4ARRAYOID};
+	Datum		values[5];
 	Datum	   *ids = palloc(sizeof(Datum) * Max(rooms->n, 1));
 	Datum	   *active = palloc(sizeof(Datum) * Max(rooms->n, 1));
 	SPIPlanPtr	plan;
-	int			rc;
-	int			first = n;
+	int			left = max_events;
+	int			http_left = Max(rooms->http_room, 0);
+	int			n = 0;
 
-	if (windowed)
-		plan = relay_prepare(&claim_plan, CLAIM_HEADS(HEADS_WINDOW_SQL), 9, argtypes);
-	else
-		plan = relay_prepare(&claim_all_plan, CLAIM_HEADS(""), 9, argtypes);
-
+	*wanted = 0;
+	*shares = NULL;
+	plan = relay_prepare(&rooms_plan, ROOMS_SQL, 5, argtypes);
 	for (int i = 0; i < rooms->n; i++)
 	{
 		ids[i] = Int32GetDatum(rooms->ids[i]);
@@ -594,15 +683,90 @@ relay_claim_heads(int max_events, bool windowed, int waves, RelayRooms *rooms,
 	}
 	values[0] = TimestampTzGetDatum(now);
 	values[1] = Int32GetDatum(max_events);
+	values[2] = BoolGetDatum(rooms->limit);
+	values[3] = relay_array(ids, NULL, rooms->n, INT4OID);
+	values[4] = relay_array(active, NULL, rooms->n, INT4OID);
+	if (SPI_execute_plan(plan, values, NULL, true, 0) != SPI_OK_SELECT)
+		elog(ERROR, "could not read the outbox destinations' rooms");
+	if (SPI_processed == 0)
+		return 0;
+
+	*shares = palloc(sizeof(RelayShare) * SPI_processed);
+	for (uint64 i = 0; i < SPI_processed; i++)
+	{
+		HeapTuple	tup = SPI_tuptable->vals[i];
+		RelayShare *s = &(*shares)[i];
+
+		s->id = DatumGetInt32(spi_value(tup, 1, 0));
+		s->http = DatumGetBool(spi_value(tup, 2, BoolGetDatum(false)));
+		s->room = DatumGetInt32(spi_value(tup, 3, 0));
+		s->avail = DatumGetInt32(spi_value(tup, 4, 0));
+		s->oldest = DatumGetTimestampTz(spi_value(tup, 5, 0));
+		s->active = relay_rooms_active(rooms, s->id);
+	}
+	relay_shares_loop_order = rooms->limit;
+	qsort(*shares, SPI_processed, sizeof(RelayShare), relay_share_cmp);
+	for (uint64 i = 0; i < SPI_processed; i++)
+	{
+		RelayShare *s = &(*shares)[i];
+
+		s->take = Min(Min(s->avail, s->room), left);
+		if (s->http)
+		{
+			s->take = Min(s->take, http_left);
+			http_left -= s->take;
+		}
+		left -= s->take;
+		*wanted += s->take;
+		if (s->take < s->avail)
+			*backlog = true;
+		if (s->take > 0)
+			(*shares)[n++] = *s;
+	}
+	return n;
+}
+
+/*
+ * Claim the heads of keys that may go now (see the comment above
+ * HEADS_WINDOW), at most max_events, appended to items after the first n;
+ * returns the new count, adds the sum of the shares to *wanted, and sets
+ * *backlog as relay_takes does.
+ */
+static int
+relay_claim_heads(int max_events, bool windowed, int waves, RelayRooms *rooms,
+				  TimestampTz now, MemoryContext cxt, RelayItem **items, int n,
+				  int *wanted, bool *backlog)
+{
+	Oid			argtypes[6] = {TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID,
+		INT4ARRAYOID, INT4ARRAYOID};
+	Datum		values[6];
+	RelayShare *shares;
+	Datum	   *ids;
+	Datum	   *takes;
+	SPIPlanPtr	plan;
+	int			nshares;
+	int			want;
+	int			first = n;
+
+	nshares = relay_takes(max_events, rooms, now, &shares, &want, backlog);
+	*wanted += want;
+	if (nshares == 0)
+		return n;
+	ids = palloc(sizeof(Datum) * nshares);
+	takes = palloc(sizeof(Datum) * nshares);
+	for (int i = 0; i < nshares; i++)
+	{
+		ids[i] = Int32GetDatum(shares[i].id);
+		takes[i] = Int32GetDatum(shares[i].take);
+	}
+	plan = relay_prepare(&claim_plan, CLAIM_HEADS, 6, argtypes);
+	values[0] = TimestampTzGetDatum(now);
+	values[1] = Int32GetDatum(windowed ? HEADS_WINDOW : 0);
 	values[2] = Int32GetDatum(relay_visibility_margin);
 	values[3] = Int32GetDatum(waves);
-	values[4] = Int32GetDatum(max_events * HEADS_WINDOW);
-	values[5] = BoolGetDatum(rooms->limit);
-	values[6] = relay_array(ids, NULL, rooms->n, INT4OID);
-	values[7] = relay_array(active, NULL, rooms->n, INT4OID);
-	values[8] = Int32GetDatum(Max(rooms->http_room, 0));
-	rc = SPI_execute_plan(plan, values, NULL, false, 0);
-	if (rc != SPI_OK_SELECT)
+	values[4] = relay_array(ids, NULL, nshares, INT4OID);
+	values[5] = relay_array(takes, NULL, nshares, INT4OID);
+	if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_SELECT)
 		elog(ERROR, "could not claim outbox deliveries");
 	n = relay_read_claimed(cxt, items, n);
 	relay_rooms_take(rooms, items, first, n);
@@ -733,51 +897,48 @@ relay_release_chain(RelayItem *it)
 /*
  * Step 1: claim up to max_events deliveries: the heads of their keys, then
  * the deliveries that follow them.  Returns the claimed items (allocated in
- * cxt), in seq order and chained, in *items.
+ * cxt), in seq order and chained, in *items; *backlog says that some
+ * destination had more deliveries due than it could take (relay helpers
+ * could take them).
  */
 int
 relay_claim(int max_events, int waves, RelayRooms *rooms, TimestampTz now,
-			MemoryContext cxt, RelayItem ***items)
+			MemoryContext cxt, RelayItem ***items, bool *backlog)
 {
-	/* Whether this backend's last pass found fewer heads than it could take. */
+	/* Whether this backend's last claim found fewer heads than its shares. */
 	static bool heads_sparse = false;
 	/* When this backend last looked for heads beyond the window. */
 	static TimestampTz beyond_at = 0;
-	bool		look_beyond;
 	int			n;
 	int			heads;
+	int			wanted = 0;
 	int			save_nestlevel = relay_plan_settings();
 
-	/*
-	 * At least once every HEADS_BEYOND_MS a windowed pass also takes heads
-	 * from beyond the window, up to a quarter of its room, before the
-	 * followers: a key with a long backlog inside the window would otherwise
-	 * fill every pass with its own deliveries, and keys and destinations
-	 * behind it would wait for it to drain.
-	 */
-	look_beyond = heads_sparse &&
-		TimestampDifferenceExceeds(beyond_at, now, HEADS_BEYOND_MS);
-
-	*items = MemoryContextAlloc(cxt, sizeof(RelayItem *) * max_events);
-	n = relay_claim_heads(max_events, heads_sparse, waves, rooms, now, cxt, *items, 0);
-	if (look_beyond && n < max_events)
-		n = relay_claim_heads(Min(Max(max_events / 4, 1), max_events - n), false, waves,
-							  rooms, now, cxt, *items, n);
+	*items = MemoryContextAlloc(cxt, sizeof(RelayItem *) * Max(max_events, 1));
+	*backlog = false;
+	n = relay_claim_heads(max_events, heads_sparse, waves, rooms, now, cxt, *items, 0,
+						  &wanted, backlog);
 	heads = n;
-	n = relay_claim_followers(max_events - n, waves, now, cxt, *items, 0, n);
-	if (heads_sparse && !look_beyond && n < max_events)
-	{
-		/* Room left: there may be heads beyond the window. */
-		int			first = n;
 
-		n = relay_claim_heads(max_events - n, false, waves, rooms, now, cxt, *items, n);
-		heads += n - first;
-		n = relay_claim_followers(max_events - n, waves, now, cxt, *items, first, n);
-		look_beyond = true;
-	}
-	if (look_beyond || !heads_sparse)
+	/*
+	 * At least once every HEADS_BEYOND_MS a windowed claim that found fewer
+	 * heads than it could take also looks beyond the window, before the
+	 * followers: a key with a long backlog at the front of a destination
+	 * would otherwise hold up its destination's other keys until it drained.
+	 */
+	if (heads_sparse && n < wanted && n < max_events &&
+		TimestampDifferenceExceeds(beyond_at, now, HEADS_BEYOND_MS))
+	{
+		int			more = 0;
+
+		n = relay_claim_heads(max_events - n, false, waves, rooms, now, cxt, *items, n,
+							  &more, backlog);
 		beyond_at = now;
-	heads_sparse = heads < max_events;
+	}
+	if (!heads_sparse)
+		beyond_at = now;
+	heads_sparse = heads < wanted;
+	n = relay_claim_followers(max_events - n, waves, now, cxt, *items, 0, n);
 	AtEOXact_GUC(true, save_nestlevel);
 	qsort(*items, n, sizeof(RelayItem *), relay_item_cmp);
 	relay_link_chains(*items, n);
@@ -1410,6 +1571,7 @@ relay_pass(int max_events)
 		TimestampTz claimed_until = 0;
 		RelayLease	lease;
 		RelayRooms	rooms;
+		bool		backlog;
 
 		/* Step 1: claim. */
 		if (!relay_step_begin(&step, "idempotency relay: claim", true))
@@ -1423,7 +1585,7 @@ relay_pass(int max_events)
 		rooms.http_room = max_events;
 		/* HTTP requests go out in waves of http_max_in_flight(). */
 		n = relay_claim(max_events, (max_events + http_max_in_flight() - 1) / http_max_in_flight(),
-						&rooms, claimed_at, passcxt, &items);
+						&rooms, claimed_at, passcxt, &items, &backlog);
 		dests = relay_load_dests(passcxt);
 		for (int i = 0; i < n; i++)
 			items[i]->dest = relay_find_dest(dests, items[i]->dest_id);

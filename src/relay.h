@@ -36,23 +36,27 @@ extern int64 relay_run(int max_events);
 
 /*
  * One iteration of the worker's relay loop, outside any transaction:
- * record the outcomes of the webhooks whose requests completed (one short
- * transaction for all that completed together), renew claims that would
- * expire first, then claim what may go now -- for each 'http' destination
- * up to its max_in_flight chains of requests, all of them below
+ * record the outcomes of the webhooks whose requests completed, renew
+ * claims that would expire first, then -- in the same transaction as the
+ * outcomes -- claim what may go now: for each 'http' destination up to its
+ * max_in_flight chains of requests, all of them below
  * idempotency.relay_max_in_flight, none for a destination paced by
- * Retry-After or whose open circuit is not due for a probe -- start those
- * webhooks, and make the function and notify deliveries in a transaction of
- * their own.  Webhooks stay in flight after it returns: a slow endpoint
- * holds up nothing but its own deliveries.  *full says the claim took
- * max_events (call again at once); *wake_at is when to come back at the
- * latest (0: when woken), besides what relay_loop_wait waits for.  With
- * max_events 0 it claims nothing: a relay helper that is leaving collects
- * and records the outcomes of its requests in flight.  Returns the
- * deliveries attempted.  On error, every request in flight is
+ * Retry-After or whose open circuit is not due for a probe; start those
+ * webhooks once the claim has committed, and make the function and notify
+ * deliveries in a transaction of their own.  A claim is made only when
+ * something may be claimable (a commit set the latch, requests completed,
+ * the next due time came, or the last one made in-database deliveries).  Webhooks
+ * stay in flight after it returns: a slow endpoint holds up nothing but
+ * its own deliveries.  *full says the claim took max_events (call again at
+ * once); *backlog that some destination had more deliveries due than the
+ * loop could take (relay helpers could share them); *wake_at is when to
+ * come back at the latest (0: when woken), besides what relay_loop_wait
+ * waits for.  With max_events 0 it claims nothing: a relay helper that is
+ * leaving collects and records the outcomes of its requests in flight.
+ * Returns the deliveries attempted.  On error, every request in flight is
  * abandoned (their claims expire) and the error propagates.
  */
-extern int64 relay_loop_run(int max_events, TimestampTz *wake_at, bool *full);
+extern int64 relay_loop_run(int max_events, TimestampTz *wake_at, bool *full, bool *backlog);
 
 /*
  * Sleep at most timeout_ms, until a request of the loop has news (a socket
@@ -61,6 +65,12 @@ extern int64 relay_loop_run(int max_events, TimestampTz *wake_at, bool *full);
  * was set.
  */
 extern bool relay_loop_wait(long timeout_ms, uint32 wait_event_info);
+
+/*
+ * Make the loop's next iteration look for deliveries to claim, as a commit
+ * that sets the latch does: for relay helpers, whose latch no commit sets.
+ */
+extern void relay_loop_look_again(void);
 
 /* Requests of the relay loop in flight. */
 extern int	relay_loop_in_flight(void);
@@ -99,8 +109,8 @@ extern int64 outbox_cleanup(int batch, void (*between) (void));
 
 /*
  * Start relay helpers in the current database until idempotency.relay_workers
- * relay processes run, the caller included; the worker calls it after a pass
- * that claimed a full batch.  Helpers run the same loop (relay_loop_run).
+ * relay processes run, the caller included; the worker calls it after an
+ * iteration of its loop that left due deliveries behind (a backlog).  Helpers run the same loop (relay_loop_run).
  * Defined in relay_helpers.c, with the helpers' entry point.
  */
 extern void relay_start_helpers(const char *dbname);

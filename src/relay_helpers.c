@@ -5,17 +5,22 @@
  *
  * One relay process is bound to one core: it claims, sends and records in
  * turn, and while it waits for its database work its HTTP connections are
- * idle, and the other way round.  When a pass of the per-database worker
- * claims a full batch (idempotency.relay_batch_size deliveries), more are
- * likely waiting, so the worker starts relay helpers -- dynamic background
- * workers in the same database -- until idempotency.relay_workers relay
- * processes run in all.  Each helper runs the worker's relay loop
+ * idle, and the other way round.  When an iteration of the per-database
+ * worker's loop leaves deliveries due that it could not take (a destination
+ * had more due than its room, or the claim reached
+ * idempotency.relay_max_in_flight or idempotency.relay_batch_size), the
+ * worker starts relay helpers -- dynamic background workers in the same
+ * database -- until idempotency.relay_workers relay processes run in all.  Each helper runs the worker's relay loop
  * (relay_loop.c: webhooks in flight across iterations, so a slow endpoint
  * holds up only its own deliveries), sharing the work with the others
  * through the claim's FOR UPDATE SKIP LOCKED.
  * Per-key order holds across relays as it does across concurrent callers of
  * idem_outbox_relay(): no delivery is claimed while an earlier one of its key
  * is undelivered.
+ *
+ * Each relay process counts its own requests against a destination's
+ * max_in_flight: with N relay processes, an endpoint with a backlog may
+ * have up to N times max_in_flight requests under way.
  *
  * Helpers live only as long as a backlog: a helper whose loop has neither
  * claimed a full batch nor had a webhook in flight for HELPER_LINGER_MS
@@ -30,7 +35,7 @@
  * per pass.
  *
  * A helper never restarts (BGW_NEVER_RESTART): if one fails, the worker
- * starts another at a later full batch.  When no background worker slot is
+ * starts another at a later backlog.  When no background worker slot is
  * free the worker carries on alone.
  *
  *-------------------------------------------------------------------------
@@ -172,6 +177,7 @@ typedef struct HelperIteration
 	int			max_events;		/* 0: claim nothing, only collect and record */
 	TimestampTz wake_at;		/* come back then at the latest (0: when woken) */
 	bool		full;			/* the claim took max_events */
+	bool		backlog;		/* deliveries were left due */
 } HelperIteration;
 
 /* One iteration of the relay loop in a helper, for bgworker_run_guarded. */
@@ -182,7 +188,9 @@ relay_helper_iteration(void *arg)
 
 	iter->full = false;
 	iter->wake_at = 0;
-	(void) relay_loop_run(iter->max_events, &iter->wake_at, &iter->full);
+	/* No commit wakes a helper: it looks for work at every iteration. */
+	relay_loop_look_again();
+	(void) relay_loop_run(iter->max_events, &iter->wake_at, &iter->full, &iter->backlog);
 }
 
 /*
@@ -233,7 +241,7 @@ idem_relay_helper_main(Datum main_arg)
 	strlcpy(context, MyBgworkerEntry->bgw_name, sizeof(context));
 	for (;;)
 	{
-		HelperIteration iter = {relay_batch_size, 0, false};
+		HelperIteration iter = {relay_batch_size, 0, false, false};
 		bool		dismissed = relay_helper_dismissed(&args);
 		TimestampTz now;
 

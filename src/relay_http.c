@@ -120,6 +120,7 @@ typedef struct HttpRequest
 	char		refusal[256];	/* why a connection was refused, or "" */
 	bool		no_fd;			/* refused: no file descriptor to spare */
 	bool		retried_fd;		/* retried once after closing idle connections */
+	MemoryContext cxt;			/* the loop's requests: where their outcome goes */
 } HttpRequest;
 
 /*
@@ -130,6 +131,9 @@ static dlist_head async_requests = DLIST_STATIC_INIT(async_requests);
 static dlist_head async_waiting = DLIST_STATIC_INIT(async_waiting);
 static int	async_in_flight = 0;
 static MemoryContext async_cxt = NULL;
+
+/* http_async_kick saw requests complete: their outcomes wait for collecting. */
+static bool async_news = false;
 
 /* Initialise libcurl once per backend. */
 static void
@@ -1085,18 +1089,22 @@ http_deliver(RelayItem **items, int nitems, RelayLease *lease)
  * to spare waits in async_waiting until another completes.
  */
 
-/* Put a request on the multi handle. */
+/* Put a request on the multi handle, its strings in its delivery's batch. */
 static void
 http_async_launch(HttpRequest *req)
 {
+	MemoryContext old = MemoryContextSwitchTo(req->cxt);
+
 	http_start(http_multi(), req);
+	MemoryContextSwitchTo(old);
 	dlist_push_tail(&async_requests, &req->node);
 }
 
 /*
  * Start the request of one claimed 'http' delivery, and return at once; its
  * outcome comes back from http_async_collect.  Allocates the request's
- * strings in the current memory context (the delivery's batch).
+ * strings, and later its outcome's, in the current memory context (the
+ * delivery's batch).
  */
 void
 http_async_start(RelayItem *it)
@@ -1108,8 +1116,34 @@ http_async_start(RelayItem *it)
 										  ALLOCSET_SMALL_SIZES);
 	req = MemoryContextAllocZero(async_cxt, sizeof(HttpRequest));
 	req->item = it;
+	req->cxt = CurrentMemoryContext;
 	http_async_launch(req);
 	async_in_flight++;
+}
+
+/*
+ * Let libcurl send the requests just started, so that they are under way
+ * while the loop does its database work; their outcomes come back from
+ * http_async_collect.  Never waits.
+ */
+void
+http_async_kick(void)
+{
+	int			running;
+	int			on_multi = 0;
+	dlist_iter	iter;
+
+	if (dlist_is_empty(&async_requests))
+		return;
+	if (curl_multi_perform(http_multi(), &running) != CURLM_OK)
+		ereport(ERROR,
+				(errcode(ERRCODE_INTERNAL_ERROR),
+				 errmsg("libcurl failed while sending webhooks")));
+	dlist_foreach(iter, &async_requests)
+		on_multi++;
+	/* Some completed meanwhile: http_async_wait must not sleep before they are collected. */
+	if (running < on_multi)
+		async_news = true;
 }
 
 /* Requests of the relay loop in flight (or waiting for a descriptor). */
@@ -1136,6 +1170,7 @@ http_async_collect(void)
 	int			left;
 	int			freed = 0;
 
+	async_news = false;
 	if (async_in_flight == 0)
 		return NIL;
 	m = http_multi();
@@ -1162,7 +1197,13 @@ http_async_collect(void)
 		}
 		async_in_flight--;
 		freed++;
-		http_outcome(req, msg->data.result);
+		{
+			/* The error message lives as long as the delivery: in its batch. */
+			MemoryContext old = MemoryContextSwitchTo(req->cxt);
+
+			http_outcome(req, msg->data.result);
+			MemoryContextSwitchTo(old);
+		}
 		http_finish(m, req);
 		done = lappend(done, req->item);
 		pfree(req);
@@ -1210,13 +1251,15 @@ http_async_abandon(void)
 		pfree(req);
 	}
 	async_in_flight = 0;
+	async_news = false;
 }
 
 /*
  * Sleep until a socket of a request in flight is ready, libcurl's next
  * timer (a request's timeout) is due, the latch is set (a publishing
  * commit, SIGHUP, SIGTERM) or timeout_ms has passed.  Returns at once when
- * libcurl has work to do now.
+ * libcurl has work to do now, or requests completed that are not collected
+ * yet.
  */
 bool
 http_async_wait(long timeout_ms, uint32 wait_event_info)
@@ -1233,6 +1276,8 @@ http_async_wait(long timeout_ms, uint32 wait_event_info)
 	volatile bool latch_set = false;
 	volatile long wait_ms;
 
+	if (async_news)
+		return false;
 	if (async_in_flight > 0 && multi != NULL)
 	{
 		FD_ZERO(&rd);

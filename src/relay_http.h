@@ -126,6 +126,7 @@ extern int	http_max_in_flight(void);
 extern bytea *http_decode_secret(const char *secret);
 extern void http_deliver(RelayItem **items, int nitems, RelayLease *lease);
 extern void http_async_start(RelayItem *it);
+extern void http_async_kick(void);
 extern int	http_async_in_flight(void);
 extern List *http_async_collect(void);
 extern void http_async_abandon(void);

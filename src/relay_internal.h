@@ -59,7 +59,7 @@ extern List *relay_load_dests(MemoryContext cxt);
 extern RelayDest *relay_find_dest(List *dests, int32 id);
 extern void relay_rooms_take(RelayRooms *rooms, RelayItem **items, int first, int n);
 extern int	relay_claim(int max_events, int waves, RelayRooms *rooms, TimestampTz now,
-						MemoryContext cxt, RelayItem ***items);
+						MemoryContext cxt, RelayItem ***items, bool *backlog);
 extern TimestampTz relay_next_due_except(int32 *full, int nfull);
 
 /* relay.c: in-database deliveries and outcomes */

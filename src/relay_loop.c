@@ -55,6 +55,9 @@ typedef struct RelayBatch
 static struct
 {
 	MemoryContext cxt;
+	MemoryContext itercxt;		/* an iteration's own memory, reset at its end */
+	bool		claim_needed;	/* something may be claimable: claim next time */
+	TimestampTz due;			/* when something is due, as of the last claim */
 	RelayItem **held;
 	int			nheld;
 	int			held_size;
@@ -142,24 +145,16 @@ relay_loop_compact(void)
 }
 
 /*
- * Record the outcomes in done, in one short transaction for all that
- * completed together; disable the destinations that answered 410.
+ * Record the outcomes in done, in the current step; disable the
+ * destinations that answered 410.  Returns the deliveries attempted.
  */
 static int64
-relay_loop_record(void)
+relay_loop_record_in_step(void)
 {
-	RelayStep	step;
-	RelayItem **missed;
 	int64		attempted = 0;
 	int			n = relay_loop.ndone;
 
-	if (n == 0)
-		return 0;
-	step.own_xact = true;
-	if (!relay_step_begin(&step, "idempotency relay: record", false))
-		return 0;				/* the outbox is gone: so are the deliveries */
-	missed = palloc(sizeof(RelayItem *) * n);
-	relay_record_all(relay_loop.done, n, missed);
+	relay_record_all(relay_loop.done, n, palloc(sizeof(RelayItem *) * Max(n, 1)));
 	for (int i = 0; i < n; i++)
 	{
 		RelayItem  *it = relay_loop.done[i];
@@ -171,13 +166,33 @@ relay_loop_record(void)
 			relay_disable(one);
 			it->dest->disable_reason = NULL;
 		}
-	}
-	relay_step_end(&step);
-	for (int i = 0; i < n; i++)
-		if (relay_loop.done[i]->outcome == RELAY_DELIVERED ||
-			relay_loop.done[i]->outcome == RELAY_FAILED)
+		if (it->outcome == RELAY_DELIVERED || it->outcome == RELAY_FAILED)
 			attempted++;
+	}
 	relay_loop.ndone = 0;
+	return attempted;
+}
+
+/*
+ * Record the outcomes in done, in one short transaction for all that
+ * completed together.  If the outbox is gone, so are the deliveries.
+ */
+static int64
+relay_loop_record(void)
+{
+	RelayStep	step;
+	int64		attempted;
+
+	if (relay_loop.ndone == 0)
+		return 0;
+	step.own_xact = true;
+	if (!relay_step_begin(&step, "idempotency relay: record", false))
+	{
+		relay_loop.ndone = 0;
+		return 0;
+	}
+	attempted = relay_loop_record_in_step();
+	relay_step_end(&step);
 	return attempted;
 }
 
@@ -207,13 +222,47 @@ relay_loop_active(RelayRooms *rooms)
 }
 
 /*
- * Claim what may go now and act on it: webhooks start (and stay in flight),
- * function and notify deliveries are made in a transaction of their own,
- * exactly as a pass makes them.  Returns the deliveries claimed; *attempted
- * grows by the in-database deliveries attempted.
+ * When the loop next has work to claim (see relay_next_due_except): the
+ * destinations whose requests are all in flight are left out, so their
+ * backlog does not keep the loop awake; their completions wake it.
+ */
+static TimestampTz
+relay_loop_next_due(void)
+{
+	RelayRooms	rooms;
+	int32	   *full_ids;
+	int			nfull = 0;
+
+	(void) relay_loop_active(&rooms);
+	full_ids = palloc(sizeof(int32) * Max(rooms.n, 1));
+	for (int i = 0; i < rooms.n; i++)
+	{
+		RelayDest  *d = NULL;
+
+		for (int j = 0; j < relay_loop.nheld && d == NULL; j++)
+			if (relay_loop.held[j]->dest_id == rooms.ids[i])
+				d = relay_loop.held[j]->dest;
+		if (rooms.http_room <= 0 ||
+			(d != NULL && rooms.active[i] >= (d->circuit_open ? 1 : d->max_in_flight)))
+			full_ids[nfull++] = rooms.ids[i];
+	}
+	return relay_next_due_except(full_ids, nfull);
+}
+
+/*
+ * Record the outcomes in done, claim what may go now and act on it, in one
+ * transaction: webhooks start (and stay in flight) once the claim has
+ * committed; function and notify deliveries are made in a transaction of
+ * their own, exactly as a pass makes them.  Returns the deliveries claimed,
+ * or -1 if the claim could not begin (the deliveries are locked, or the
+ * outbox is gone), with done left for relay_loop_record.  *attempted grows
+ * by the deliveries attempted; *due becomes when the loop next has work to
+ * claim, *backlog whether some destination had more due than it could
+ * take, *local whether in-database deliveries were claimed.
  */
 static int
-relay_loop_claim(int max_events, int64 *attempted)
+relay_loop_claim(int max_events, int64 *attempted, TimestampTz *due, bool *backlog,
+				 bool *local_claimed)
 {
 	RelayStep	step;
 	RelayRooms	rooms;
@@ -227,19 +276,24 @@ relay_loop_claim(int max_events, int64 *attempted)
 	TimestampTz now = GetCurrentTimestamp();
 	MemoryContext old;
 
+	*backlog = false;
+	*local_claimed = false;
 	step.own_xact = true;
 	if (!relay_step_begin(&step, "idempotency relay: claim", true))
-		return 0;
+		return -1;
+	if (relay_loop.ndone > 0)
+		*attempted += relay_loop_record_in_step();
 	if (!relay_schema_current(true))
 	{
 		relay_step_end(&step);
+		*due = 0;
 		return 0;
 	}
 	batch = MemoryContextAllocZero(relay_loop.cxt, sizeof(RelayBatch));
 	batch->cxt = AllocSetContextCreate(relay_loop.cxt, "outbox relay claim",
 									   ALLOCSET_DEFAULT_SIZES);
 	(void) relay_loop_active(&rooms);
-	n = relay_claim(max_events, 1, &rooms, now, batch->cxt, &items);
+	n = relay_claim(max_events, 1, &rooms, now, batch->cxt, &items, backlog);
 	if (n > 0)
 	{
 		List	   *dests = relay_load_dests(batch->cxt);
@@ -251,7 +305,6 @@ relay_loop_claim(int max_events, int64 *attempted)
 		}
 		relay_claim_probes(items, n, now);
 	}
-	relay_step_end(&step);
 
 	local = MemoryContextAlloc(batch->cxt, sizeof(RelayItem *) * Max(n, 1));
 	for (int i = 0; i < n; i++)
@@ -286,11 +339,22 @@ relay_loop_claim(int max_events, int64 *attempted)
 			batch->live++;
 		}
 	}
+
+	/*
+	 * When next to claim, while the claim's transaction is open: in-database
+	 * deliveries just claimed are made next, and the loop comes back at once
+	 * after them.
+	 */
+	*local_claimed = nlocal > 0;
+	*due = relay_loop_next_due();
+	relay_step_end(&step);
+
 	/* The fronts of the chains go now. */
 	for (int i = 0; i < n; i++)
 		if (items[i]->dest != NULL && items[i]->dest->kind == DEST_HTTP &&
 			items[i]->outcome == RELAY_PENDING && !items[i]->chain_held)
 			relay_loop_start(items[i]);
+	http_async_kick();
 
 	if (nlocal > 0)
 	{
@@ -352,118 +416,153 @@ relay_loop_abandon(void)
 	relay_loop_compact();
 }
 
+/* The time by which a held webhook's claim should be renewed (0: none held). */
+static TimestampTz
+relay_loop_renew_at(void)
+{
+	TimestampTz renew_at = 0;
+
+	for (int i = 0; i < relay_loop.nheld; i++)
+	{
+		RelayItem  *it = relay_loop.held[i];
+		int64		half = ((int64) relay_visibility_margin + it->dest->timeout_ms) * 500;
+
+		if (renew_at == 0 || it->claimed_until - half < renew_at)
+			renew_at = it->claimed_until - half;
+	}
+	return renew_at;
+}
+
+/*
+ * One iteration (see relay.h), in the iteration's own memory context.  A
+ * claim is made only when something may be claimable: the latch was set (a
+ * publishing commit), requests completed (their destinations have room
+ * again), the next due time has come, or the last claim made in-database
+ * deliveries (whose outcomes change what is due).
+ */
+static int64
+relay_loop_iteration(int max_events, TimestampTz *wake_at, bool *full, bool *backlog)
+{
+	int64		attempted = 0;
+	List	   *finished;
+	ListCell   *lc;
+	TimestampTz now;
+	TimestampTz renew_at;
+	int			claimed = 0;
+	bool		claim_tried = false;
+
+	/* (a) The requests that completed, recorded together (with the claim). */
+	finished = http_async_collect();
+	foreach(lc, finished)
+		relay_loop_finished(lfirst(lc));
+	if (relay_loop.ndone > 0)
+		relay_loop.claim_needed = true;
+
+	/* Claims that would expire before their outcome comes are renewed. */
+	now = GetCurrentTimestamp();
+	renew_at = relay_loop_renew_at();
+	if (renew_at != 0 && now >= renew_at)
+	{
+		RelayLease	lease = {true, 0, 0};
+
+		attempted += relay_loop_record();
+		relay_loop_compact();
+		relay_renew_claims(relay_loop.held, relay_loop.nheld, &lease);
+		for (int i = 0; i < relay_loop.nheld; i++)
+			if (relay_loop.held[i]->outcome == RELAY_RELEASED)
+				relay_loop_push(&relay_loop.done, &relay_loop.ndone, &relay_loop.done_size,
+								relay_loop.held[i]);
+		renew_at = 0;
+	}
+
+	/* (b, c) Claim for the destinations with room (none when draining). */
+	if (max_events > 0 &&
+		(relay_loop.claim_needed || (relay_loop.due != 0 && now >= relay_loop.due)))
+	{
+		bool		local_claimed;
+
+		relay_loop.claim_needed = false;
+		claimed = relay_loop_claim(max_events, &attempted, &relay_loop.due, backlog,
+								   &local_claimed);
+		if (claimed < 0)
+		{
+			claimed = 0;
+			relay_loop.claim_needed = true;
+		}
+		else
+		{
+			claim_tried = true;
+			/* Their outcomes may have changed what is due next. */
+			if (local_claimed)
+				relay_loop.claim_needed = true;
+		}
+	}
+	attempted += relay_loop_record();
+	relay_loop_compact();
+	if (renew_at == 0)
+		renew_at = relay_loop_renew_at();
+	*full = max_events > 0 && claimed >= max_events;
+
+	/* (d) When to come back, besides a socket, a timer of libcurl or the latch. */
+	if (max_events == 0)
+		*wake_at = renew_at;
+	else if (*full || relay_loop.claim_needed)
+		*wake_at = GetCurrentTimestamp();
+	else
+	{
+		*wake_at = relay_loop.due;
+		/* Due, but nothing could be claimed (held behind its key, or locked). */
+		if (claim_tried && claimed == 0 && *wake_at != 0 && *wake_at <= GetCurrentTimestamp())
+			*wake_at = relay_loop.due =
+				TimestampTzPlusMilliseconds(GetCurrentTimestamp(), RELAY_LOOP_MIN_NAP_MS);
+		if (renew_at != 0 && (*wake_at == 0 || renew_at < *wake_at))
+			*wake_at = renew_at;
+	}
+	return attempted;
+}
+
 /* See relay.h. */
 int64
-relay_loop_run(int max_events, TimestampTz *wake_at, bool *full)
+relay_loop_run(int max_events, TimestampTz *wake_at, bool *full, bool *backlog)
 {
 	int64		attempted = 0;
 	MemoryContext entrycxt = CurrentMemoryContext;
 
 	*full = false;
+	*backlog = false;
 	*wake_at = 0;
 	if (RecoveryInProgress() || DefaultXactReadOnly)
 		return 0;
 	if (relay_loop.cxt == NULL)
+	{
 		relay_loop.cxt = AllocSetContextCreate(TopMemoryContext, "outbox relay loop",
 											   ALLOCSET_DEFAULT_SIZES);
+		relay_loop.itercxt = AllocSetContextCreate(relay_loop.cxt, "outbox relay iteration",
+												   ALLOCSET_DEFAULT_SIZES);
+		relay_loop.claim_needed = true;
+	}
 	if (relay_pass_running)
 		elog(ERROR, "a relay loop cannot run inside a relay pass");
 	relay_pass_running = true;
 	PG_TRY();
 	{
-		List	   *finished;
-		ListCell   *lc;
-		TimestampTz now;
-		TimestampTz renew_at = 0;
-		TimestampTz due;
-		int			claimed;
-		int32	   *full_ids;
-		int			nfull = 0;
-		RelayRooms	rooms;
-
-		/* (a) The requests that completed, recorded together. */
-		finished = http_async_collect();
-		foreach(lc, finished)
-			relay_loop_finished(lfirst(lc));
-		list_free(finished);
-		attempted += relay_loop_record();
-		relay_loop_compact();
-
-		/* Claims that would expire before their outcome comes are renewed. */
-		now = GetCurrentTimestamp();
-		for (int i = 0; i < relay_loop.nheld; i++)
-		{
-			RelayItem  *it = relay_loop.held[i];
-			int64		half = ((int64) relay_visibility_margin + it->dest->timeout_ms) * 500;
-
-			if (renew_at == 0 || it->claimed_until - half < renew_at)
-				renew_at = it->claimed_until - half;
-		}
-		if (renew_at != 0 && now >= renew_at)
-		{
-			RelayLease	lease = {true, 0, 0};
-
-			relay_renew_claims(relay_loop.held, relay_loop.nheld, &lease);
-			for (int i = 0; i < relay_loop.nheld; i++)
-				if (relay_loop.held[i]->outcome == RELAY_RELEASED)
-					relay_loop_push(&relay_loop.done, &relay_loop.ndone, &relay_loop.done_size,
-									relay_loop.held[i]);
-			attempted += relay_loop_record();
-			relay_loop_compact();
-			renew_at = 0;
-			for (int i = 0; i < relay_loop.nheld; i++)
-			{
-				RelayItem  *it = relay_loop.held[i];
-				int64		half = ((int64) relay_visibility_margin + it->dest->timeout_ms) * 500;
-
-				if (renew_at == 0 || it->claimed_until - half < renew_at)
-					renew_at = it->claimed_until - half;
-			}
-		}
-
-		/* (b, c) Claim for the destinations with room (none when draining). */
-		claimed = max_events > 0 ? relay_loop_claim(max_events, &attempted) : 0;
-		*full = max_events > 0 && claimed >= max_events;
-
-		/* (d) When to come back, besides a socket, a timer of libcurl or the latch. */
-		if (*full)
-			*wake_at = GetCurrentTimestamp();
-		else if (max_events == 0)
-			*wake_at = renew_at;
-		else
-		{
-			(void) relay_loop_active(&rooms);
-			full_ids = palloc(sizeof(int32) * Max(rooms.n, 1));
-			for (int i = 0; i < rooms.n; i++)
-			{
-				RelayDest  *d = NULL;
-
-				for (int j = 0; j < relay_loop.nheld && d == NULL; j++)
-					if (relay_loop.held[j]->dest_id == rooms.ids[i])
-						d = relay_loop.held[j]->dest;
-				if (rooms.http_room <= 0 ||
-					(d != NULL && rooms.active[i] >= (d->circuit_open ? 1 : d->max_in_flight)))
-					full_ids[nfull++] = rooms.ids[i];
-			}
-			due = relay_next_due_except(full_ids, nfull);
-			/* Due, but nothing could be claimed (held behind its key, or locked). */
-			if (due != 0 && claimed == 0 && due <= GetCurrentTimestamp())
-				due = TimestampTzPlusMilliseconds(GetCurrentTimestamp(), RELAY_LOOP_MIN_NAP_MS);
-			*wake_at = due;
-			if (renew_at != 0 && (*wake_at == 0 || renew_at < *wake_at))
-				*wake_at = renew_at;
-		}
+		MemoryContextSwitchTo(relay_loop.itercxt);
+		attempted = relay_loop_iteration(max_events, wake_at, full, backlog);
 	}
 	PG_CATCH();
 	{
 		relay_pass_running = false;
 		relay_unwatch_cancel();
+		MemoryContextSwitchTo(entrycxt);
 		relay_loop_abandon();
+		MemoryContextReset(relay_loop.itercxt);
+		relay_loop.claim_needed = true;
 		PG_RE_THROW();
 	}
 	PG_END_TRY();
 	relay_pass_running = false;
 	MemoryContextSwitchTo(entrycxt);
+	MemoryContextReset(relay_loop.itercxt);
 	return attempted;
 }
 
@@ -471,7 +570,19 @@ relay_loop_run(int max_events, TimestampTz *wake_at, bool *full)
 bool
 relay_loop_wait(long timeout_ms, uint32 wait_event_info)
 {
-	return http_async_wait(timeout_ms, wait_event_info);
+	bool		latch_set = http_async_wait(timeout_ms, wait_event_info);
+
+	/* A publishing commit (or a resume, a redrive): look for work. */
+	if (latch_set)
+		relay_loop.claim_needed = true;
+	return latch_set;
+}
+
+/* See relay.h. */
+void
+relay_loop_look_again(void)
+{
+	relay_loop.claim_needed = true;
 }
 
 /* See relay.h. */

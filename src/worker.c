@@ -782,7 +782,7 @@ worker_pass(void)
 /*
  * Drive the outbox's relay loop (relay_loop_run): iterations back to back
  * while each claims a full batch, for at most RELAY_SLICE_MS so that
- * cleanup gets its turn; returns when the relay next has work, or 0 if
+ * cleanup gets its turn, starting relay helpers when one leaves a backlog; returns when the relay next has work, or 0 if
  * nothing is scheduled.  Webhooks stay in flight when it returns; the
  * worker's sleep (relay_loop_wait) wakes when one of them has news.  *more
  * says the slice ran out with work left: the worker must come back at
@@ -821,13 +821,14 @@ worker_relay(bool *more)
 	{
 		TimestampTz wake_at;
 		bool		full;
+		bool		backlog;
 
-		(void) relay_loop_run(relay_batch_size, &wake_at, &full);
+		(void) relay_loop_run(relay_batch_size, &wake_at, &full, &backlog);
+		/* Deliveries left due that the loop could not take: helpers share them. */
+		if ((full || backlog) && relay_workers > 1)
+			relay_start_helpers(worker_dbname);
 		if (!full)
 			return wake_at;
-		/* A full batch: there is a backlog, which helpers share. */
-		if (relay_workers > 1)
-			relay_start_helpers(worker_dbname);
 		CHECK_FOR_INTERRUPTS();
 		worker_reload_if_pending();
 		if (TimestampDifferenceExceeds(start, GetCurrentTimestamp(), RELAY_SLICE_MS))
@@ -896,8 +897,9 @@ worker_relay_collect(void *arg)
 {
 	TimestampTz wake_at;
 	bool		full;
+	bool		backlog;
 
-	*(int64 *) arg = relay_loop_run(0, &wake_at, &full);
+	*(int64 *) arg = relay_loop_run(0, &wake_at, &full, &backlog);
 }
 
 /*

@@ -10,7 +10,13 @@
 # recorded as delivered meanwhile.  The contract is 2 s from commit to
 # receipt; the pass/fail line is drawn at the 20-s gap (a loaded 2-core
 # machine must not make the test fail), and the measured latencies are
-# printed.
+# printed.  The slow endpoint and the blackhole have a backlog of 2,000 due
+# events each behind their requests in flight, and a paused destination has
+# 2,000 more: a claim must not walk (or lock) the backlog of a destination
+# that may take nothing to find the healthy one's deliveries.  Whatever the
+# machine's speed: auto_explain logs the plan of each claim statement with
+# the rows its scans of the deliveries returned or filtered out, and no
+# claim may touch anywhere near those 6,000 rows.
 #
 # Then per-destination concurrency: a destination with max_in_flight 3 and
 # a 1-s endpoint has 12 deliveries due; the sink never has more than 3 of
@@ -33,7 +39,11 @@ my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
 my $node = PostgreSQL::Test::Cluster->new('isolation');
 $node->init;
 $node->append_conf('postgresql.conf', q{
-shared_preload_libraries = 'idempotency'
+shared_preload_libraries = 'idempotency,auto_explain'
+auto_explain.log_min_duration = 0
+auto_explain.log_analyze = on
+auto_explain.log_timing = off
+auto_explain.log_nested_statements = on
 idempotency.databases = 'postgres'
 idempotency.relay_allowed_networks = '127.0.0.1'
 });
@@ -76,20 +86,29 @@ $node->safe_psql('postgres', sprintf(q{
 		jsonb_build_object('secret', '%s', 'timeout', '60s'));
 	SELECT idem_destination_create('healthy', 'http', '%s', '{healthy.*}',
 		jsonb_build_object('secret', '%s', 'timeout', '60s'));
+	SELECT idem_destination_create('parked', 'http', '%s', '{parked.*}',
+		jsonb_build_object('secret', '%s'));
+	SELECT idem_destination_pause('parked');
 	SELECT idem_destination_create('fn', 'function', 'receive(jsonb)', '{local.*}');
 	SELECT idem_destination_create('ui', 'notify', 'isolation_events', '{local.*}');},
 	$slow->url, $SECRET, $refused_port, $SECRET, $blackhole_port, $SECRET,
-	$healthy->url, $SECRET));
+	$healthy->url, $SECRET, $healthy->url, $SECRET));
 
 # The misbehaving endpoints get their requests first: 5 each, on distinct keys.
+# No slow answer can come before 20 s after this.
+my $slow_started = time();
 $node->safe_psql('postgres', q{
 	SELECT idem_publish(t || '.x', jsonb_build_object('n', n), t || '-' || n)
 	  FROM unnest('{slow,refused,black}'::text[]) t, generate_series(1, 5) n;});
-my $slow_started = time();
-# Wait until the slow endpoint has all five requests under way (and so the
-# relay is in the middle of them).
+# Then a backlog for the slow endpoint and the blackhole, older than
+# anything the healthy destination will get.
+$node->safe_psql('postgres', q{
+	SELECT count(idem_publish(t || '.backlog', jsonb_build_object('n', n)))
+	  FROM unnest('{slow,black,parked}'::text[]) t, generate_series(1, 2000) n;});
+# Wait until the slow endpoint has as many requests under way as its
+# max_in_flight (16) allows (and so the relay is in the middle of them).
 my $waited = 0;
-until (scalar(grep { $_->{what} eq 'received' } $slow->entries) >= 5)
+until (scalar(grep { $_->{what} eq 'received' } $slow->entries) >= 16)
 {
 	die 'the slow endpoint did not get its requests' if $waited++ > 600;
 	sleep 0.1;
@@ -100,6 +119,7 @@ my $refused_attempts = $node->safe_psql('postgres', q{
 cmp_ok($refused_attempts, '>=', 1, 'the refusing endpoint has been tried');
 
 # Now the healthy destination's events, one transaction each, and local ones.
+my $log_offset = -s $node->logfile;
 my %published;
 for my $n (1 .. 20)
 {
@@ -116,10 +136,17 @@ for my $n (1 .. 5)
 	$local{$id} = $t0;
 }
 
-# Wait for the 20 healthy webhooks (but never as long as the slow answer).
-$waited = 0;
-until (scalar(grep { $published{$_} } $healthy->accepted) >= 20)
+# Wait for the 20 healthy webhooks and the local deliveries (but never as
+# long as the slow answer).
+my $local_sql = q{
+	SELECT count(*) FILTER (WHERE t.kind = 'function') || ' ' || count(*) FILTER (WHERE t.kind = 'notify')
+	  FROM idempotency.deliveries d JOIN idempotency.destinations t ON t.id = d.destination_id
+	 WHERE t.kind IN ('function', 'notify') AND d.state = 'delivered'};
+my $local_done;
+while (1)
 {
+	$local_done = $node->safe_psql('postgres', $local_sql);
+	last if scalar(grep { $published{$_} } $healthy->accepted) >= 20 && $local_done eq '5 5';
 	last if time() > $slow_started + 19;
 	sleep 0.05;
 }
@@ -139,11 +166,39 @@ my @lat = sort { $a <=> $b } map { $received{$_} - $published{$_} } grep { defin
 diag(sprintf('healthy latency publish -> receipt: median %.3f s, max %.3f s (contract: 2 s)',
 		$lat[int(@lat / 2)] // -1, $lat[-1] // -1));
 
+# The claims did not walk the backlogs: in each claim statement's plan (the
+# relay's statements that lock with SKIP LOCKED), the rows that its scans of
+# the deliveries' indexes returned or filtered out.
+my $log = slurp_file($node->logfile, $log_offset);
+my ($claims, $most_rows) = (0, 0);
+for my $plan (split /\n(?=\S.*duration: )/, $log)
+{
+	next unless $plan =~ /Query Text:.*SKIP LOCKED/s;
+	my ($touched, $in_scan) = (0, 0);
+	for my $line (split /\n/, $plan)
+	{
+		if ($line =~ /Index (?:Only )?Scan (?:Backward )?using deliver\S+ on deliveries .*actual rows=(\d+) loops=(\d+)/)
+		{
+			$touched += $1 * $2;
+			$in_scan = 1;
+		}
+		elsif ($in_scan && $line =~ /Rows Removed by Filter: (\d+)/)
+		{
+			$touched += $1;
+		}
+		elsif ($line =~ /->/)
+		{
+			$in_scan = 0;
+		}
+	}
+	$claims++;
+	$most_rows = $touched if $touched > $most_rows;
+}
+cmp_ok($claims, '>', 0, "auto_explain logged the claims ($claims)");
+cmp_ok($most_rows, '<', 1000,
+	"no claim walked the 6,000 rows of backlog of destinations that may take nothing (at most $most_rows rows)");
+
 # Function and notify deliveries were not held up either.
-my $local_done = $node->safe_psql('postgres', q{
-	SELECT count(*) FILTER (WHERE t.kind = 'function') || ' ' || count(*) FILTER (WHERE t.kind = 'notify')
-	  FROM idempotency.deliveries d JOIN idempotency.destinations t ON t.id = d.destination_id
-	 WHERE t.kind IN ('function', 'notify') AND d.state = 'delivered'});
 is($local_done, '5 5', 'the function and notify deliveries were made meanwhile');
 my $local_lat = $node->safe_psql('postgres', q{
 	SELECT round(extract(epoch FROM max(d.delivered_at - o.published_at))::numeric, 3)
@@ -155,7 +210,7 @@ is($node->safe_psql('postgres', 'SELECT count(*) FROM received'), '5', 'the func
 is( $node->safe_psql('postgres', q{
 		SELECT count(*) FROM idempotency.deliveries d JOIN idempotency.destinations t ON t.id = d.destination_id
 		 WHERE t.name = 'slow' AND d.state = 'pending' AND d.attempts = 1}),
-	'5', 'the slow deliveries are still in flight, claimed once');
+	'16', 'the slow deliveries are still in flight, claimed once, max_in_flight (16) of them');
 
 # ---- max_in_flight: at most 3 requests under way to one endpoint.
 my $limited = WebhookSink->new(

@@ -1,0 +1,69 @@
+# Relay helpers start for a backlog of plain webhooks (issue 11).
+#
+# The worker starts helpers when an iteration of its loop leaves deliveries
+# due that it could not take.  A loop never claims a full batch of
+# idempotency.relay_batch_size webhooks (it claims up to each destination's
+# max_in_flight), so a backlog must be told by what is left due: here an
+# endpoint that answers after 0.2 s, with max_in_flight 4 and 200 events
+# due, and relay_batch_size at its default.  A helper starts, shares the
+# backlog, and every event is delivered.
+use strict;
+use warnings;
+
+use FindBin;
+use lib $FindBin::RealBin;
+
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+use Time::HiRes qw(time sleep);
+use WebhookSink;
+
+my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
+
+my $node = PostgreSQL::Test::Cluster->new('helpers_webhooks');
+$node->init;
+$node->append_conf('postgresql.conf', q{
+shared_preload_libraries = 'idempotency'
+idempotency.databases = 'postgres'
+idempotency.cleanup_interval = '1h'
+idempotency.relay_allowed_networks = '127.0.0.1'
+idempotency.relay_workers = 2
+});
+$node->start;
+$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
+
+my $sink = WebhookSink->new(
+	port => PostgreSQL::Test::Cluster::get_free_port(),
+	dir => PostgreSQL::Test::Utils::tempdir(),
+	secrets => [$SECRET])->start;
+$sink->set_mode('sleep 0.2 204');
+$node->safe_psql('postgres', sprintf(q{
+	SELECT idem_destination_create('hook', 'http', '%s', '{hook.*}',
+		jsonb_build_object('secret', '%s', 'max_in_flight', 4));
+	SELECT count(idem_publish('hook.x', jsonb_build_object('n', n))) FROM generate_series(1, 200) n;},
+	$sink->url, $SECRET));
+
+# A helper joins while the backlog lasts (200 events, 4 at a time, 0.2 s
+# each: some 10 s for the worker alone).
+my $helper = 0;
+my $deadline = time() + 60;
+while (time() < $deadline)
+{
+	$helper = $node->safe_psql('postgres',
+		q{SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'idempotency relay'});
+	last if $helper > 0;
+	last if $node->safe_psql('postgres',
+		q{SELECT count(*) = 0 FROM idempotency.deliveries WHERE state <> 'delivered'}) eq 't';
+	sleep 0.05;
+}
+cmp_ok($helper, '>=', 1, 'a relay helper started for the backlog of webhooks');
+
+$node->poll_query_until('postgres',
+	q{SELECT count(*) = 200 FROM idempotency.deliveries WHERE state = 'delivered'})
+  or die 'the backlog was not delivered';
+is(scalar(grep { $_->{what} eq 'answered' } $sink->entries) >= 200, 1, 'every event was delivered');
+
+$sink->stop;
+$node->stop;
+done_testing();

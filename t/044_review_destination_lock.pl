@@ -1,0 +1,114 @@
+# Review of issue 11: the endpoint state's row lock lets one transaction
+# stall the worker's relay for every destination.
+#
+# Recording a failed webhook now locks its destination's row FOR UPDATE
+# (relay_endpoint_states, in the loop's record transaction).  Whoever holds
+# that row -- a caller of idem_outbox_relay() in a longer transaction (its
+# pass records failures the same way, and keeps the lock until its
+# transaction ends), or an idem_destination_alter() / pause() in an open
+# transaction -- makes the worker wait on the lock, and while it waits its
+# loop does nothing at all: no other destination's webhook is claimed, sent
+# or recorded, and no function or notify delivery is made.  Before 1.3 the
+# relay locked a destination row only to disable it on 410 Gone.
+#
+# A session calls idem_outbox_relay() in a transaction for an event of its
+# own to a failing endpoint, and stays in the transaction.  The worker then
+# records a failure of the same endpoint and waits; events to a healthy
+# endpoint and to a function destination, published meanwhile, must still
+# be delivered.
+use strict;
+use warnings;
+
+use FindBin;
+use lib $FindBin::RealBin;
+
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+use Time::HiRes qw(time sleep);
+use WebhookSink;
+
+my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
+
+my $node = PostgreSQL::Test::Cluster->new('review_dest_lock');
+$node->init;
+$node->append_conf('postgresql.conf', q{
+shared_preload_libraries = 'idempotency'
+idempotency.databases = 'postgres'
+idempotency.relay_allowed_networks = '127.0.0.1'
+});
+$node->start;
+$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
+
+my $healthy = WebhookSink->new(
+	port => PostgreSQL::Test::Cluster::get_free_port(),
+	dir => PostgreSQL::Test::Utils::tempdir(),
+	secrets => [$SECRET])->start;
+my $failing = WebhookSink->new(
+	port => PostgreSQL::Test::Cluster::get_free_port(),
+	dir => PostgreSQL::Test::Utils::tempdir(),
+	secrets => [$SECRET])->start;
+$failing->set_mode('500');
+
+$node->safe_psql('postgres', sprintf(q{
+	CREATE TABLE received (event_id uuid);
+	CREATE FUNCTION receive(event jsonb) RETURNS void LANGUAGE sql
+		AS $$ INSERT INTO received VALUES ((event->>'id')::uuid) $$;
+	SELECT idem_destination_create('failing', 'http', '%s', '{failing.*}',
+		jsonb_build_object('secret', '%s', 'failure_threshold', 1000, 'max_attempts', 1000,
+			'backoff_base', '100ms', 'backoff_cap', '100ms'));
+	SELECT idem_destination_create('healthy', 'http', '%s', '{healthy.*}',
+		jsonb_build_object('secret', '%s'));
+	SELECT idem_destination_create('fn', 'function', 'receive(jsonb)', '{local.*}');},
+	$failing->url, $SECRET, $healthy->url, $SECRET));
+
+# The session's own pass: its event is not visible to the worker (not
+# committed), it fails, and recording the failure locks 'failing'.
+my $app = $node->background_psql('postgres', on_error_stop => 0);
+$app->query_safe('BEGIN');
+$app->query_safe(q{SELECT idem_publish('failing.mine', '{}')});
+is($app->query_safe('SELECT idem_outbox_relay()'), '1', 'the session attempted its own delivery');
+
+# A committed event to the same endpoint: the worker sends it, it fails, and
+# recording it waits for the session.
+$node->safe_psql('postgres', q{SELECT idem_publish('failing.x', '{}')});
+$node->poll_query_until('postgres', q{
+	SELECT count(*) = 1 FROM pg_stat_activity
+	 WHERE application_name = 'idempotency cleanup' AND wait_event_type = 'Lock'})
+  or die 'the worker never waited';
+pass('the worker waits for the lock on the failing destination\'s row');
+
+# Other destinations' events, published now.
+my @ids;
+push @ids, $node->safe_psql('postgres', "SELECT idem_publish('healthy.x', jsonb_build_object('n', $_))")
+  for 1 .. 3;
+$node->safe_psql('postgres', q{SELECT idem_publish('local.x', '{}')});
+
+# The healthy deliveries take milliseconds; give them far more.
+my $deadline = time() + 20;
+my ($webhooks, $local);
+while (time() < $deadline)
+{
+	my %got = map { $_ => 1 } $healthy->accepted;
+	$webhooks = scalar(grep { $got{$_} } @ids);
+	$local = $node->safe_psql('postgres', 'SELECT count(*) FROM received');
+	last if $webhooks == 3 && $local == 1;
+	sleep 0.1;
+}
+my $still_waiting = $node->safe_psql('postgres', q{
+	SELECT count(*) FROM pg_stat_activity
+	 WHERE application_name = 'idempotency cleanup' AND wait_event_type = 'Lock'});
+diag("after 20 s: healthy webhooks $webhooks of 3, function deliveries $local of 1, worker waiting on a lock: $still_waiting");
+is($webhooks, 3, 'the healthy destination\'s webhooks are delivered while one destination\'s row is locked');
+is($local, '1', 'so is the function destination\'s event');
+
+$app->query_safe('COMMIT');
+$app->quit;
+$node->poll_query_until('postgres', 'SELECT count(*) = 1 FROM received')
+  or die 'the function delivery was never made';
+pass('once the session commits, the worker goes on');
+
+$healthy->stop;
+$failing->stop;
+$node->stop;
+done_testing();

@@ -74,16 +74,29 @@ sub top_used
 	return $1;
 }
 
+# The worker's open file descriptors.
+sub fd_count
+{
+	opendir(my $dh, "/proc/$pid/fd") or die "cannot read /proc/$pid/fd: $!";
+	my $n = grep { !/^\./ } readdir $dh;
+	closedir $dh;
+	return $n;
+}
+
 # Warm up: caches, prepared statements, the loop's arrays.
 $node->poll_query_until('postgres', q{
 	SELECT sum(attempts) >= 2000 FROM idempotency.deliveries}) or die 'the relay made no attempts';
 my $before = top_used();
+my $fds_before = fd_count();
 my $attempts_before = attempts();
 $node->poll_query_until('postgres', qq{
 	SELECT sum(attempts) >= $attempts_before + 20000 FROM idempotency.deliveries})
   or die 'the relay stopped attempting';
 my $after = top_used();
+my $fds_after = fd_count();
 my $attempts_after = attempts();
+diag("worker file descriptors: $fds_before -> $fds_after");
+cmp_ok($fds_after, '<=', $fds_before + 5, 'nor its file descriptors');
 my $growth = $after - $before;
 diag(sprintf('TopMemoryContext used: %d -> %d bytes (+%d) over %d attempts (%.1f bytes per attempt)',
 		$before, $after, $growth, $attempts_after - $attempts_before,

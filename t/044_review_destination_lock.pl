@@ -71,12 +71,14 @@ is($app->query_safe('SELECT idem_outbox_relay()'), '1', 'the session attempted i
 
 # A committed event to the same endpoint: the worker sends it, it fails, and
 # recording it waits for the session.
-$node->safe_psql('postgres', q{SELECT idem_publish('failing.x', '{}')});
-$node->poll_query_until('postgres', q{
-	SELECT count(*) = 1 FROM pg_stat_activity
-	 WHERE application_name = 'idempotency cleanup' AND wait_event_type = 'Lock'})
-  or die 'the worker never waited';
-pass('the worker waits for the lock on the failing destination\'s row');
+my $failed = $node->safe_psql('postgres', q{SELECT idem_publish('failing.x', '{}')});
+my $deadline = time() + $PostgreSQL::Test::Utils::timeout_default;
+until (grep { $_->{what} eq 'answered' && $_->{id} eq $failed } $failing->entries)
+{
+	die 'the worker never sent the failing event' if time() > $deadline;
+	sleep 0.05;
+}
+pass('the worker has sent the committed failing event, and got its 500');
 
 # Other destinations' events, published now.
 my @ids;
@@ -85,7 +87,7 @@ push @ids, $node->safe_psql('postgres', "SELECT idem_publish('healthy.x', jsonb_
 $node->safe_psql('postgres', q{SELECT idem_publish('local.x', '{}')});
 
 # The healthy deliveries take milliseconds; give them far more.
-my $deadline = time() + 20;
+$deadline = time() + 20;
 my ($webhooks, $local);
 while (time() < $deadline)
 {

@@ -300,7 +300,7 @@ relay_load_dests(MemoryContext cxt)
 						 "       headers, max_attempts, backoff_base_ms, backoff_cap_ms, timeout_ms,"
 						 "       options @> '{\"reference\": true}',"
 						 "       max_in_flight, connect_timeout_ms, failure_threshold, disable_after_ms,"
-						 "       circuit = 'open', consecutive_failures, paced_until IS NOT NULL"
+						 "       circuit = 'open', consecutive_failures, paced_until > now()"
 						 "  FROM idempotency.destinations",
 						 0, NULL);
 	if (SPI_execute_plan(plan, NULL, NULL, false, 0) != SPI_OK_SELECT)

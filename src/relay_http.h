@@ -40,7 +40,7 @@ typedef struct RelayDest
 	int64		disable_after_ms;	/* kind 'http': open and failing this long: disabled */
 	bool		circuit_open;	/* as loaded: the circuit was open */
 	int32		consecutive_failures;	/* as loaded */
-	bool		paced;			/* as loaded: paced_until was set */
+	bool		paced;			/* as loaded: paced_until was still ahead */
 	int			in_flight;		/* http_deliver: its requests under way */
 	FmgrInfo	flinfo;			/* kind 'function', once looked up */
 	bool		flinfo_ready;

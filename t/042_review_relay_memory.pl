@@ -74,12 +74,22 @@ sub top_used
 	return $1;
 }
 
-# The worker's open file descriptors.
+# The worker's open file descriptors, with no request in flight: the
+# destination is paused until none of its deliveries is claimed (each
+# request in flight to the refusing endpoint holds a socket, up to
+# max_in_flight of them, however many attempts came before), then resumed.
 sub fd_count
 {
+	$node->safe_psql('postgres', q{SELECT idem_destination_pause('flap')});
+	$node->poll_query_until('postgres', q{
+		SELECT count(*) = 0 FROM idempotency.deliveries d
+		  JOIN idempotency.destinations t ON t.id = d.destination_id
+		 WHERE t.name = 'flap' AND d.state = 'pending' AND d.visible_until IS NOT NULL})
+	  or die 'the requests in flight did not end';
 	opendir(my $dh, "/proc/$pid/fd") or die "cannot read /proc/$pid/fd: $!";
 	my $n = grep { !/^\./ } readdir $dh;
 	closedir $dh;
+	$node->safe_psql('postgres', q{SELECT idem_destination_resume('flap')});
 	return $n;
 }
 

@@ -300,7 +300,7 @@ relay_load_dests(MemoryContext cxt)
 						 "       headers, max_attempts, backoff_base_ms, backoff_cap_ms, timeout_ms,"
 						 "       options @> '{\"reference\": true}',"
 						 "       max_in_flight, connect_timeout_ms, failure_threshold, disable_after_ms,"
-						 "       circuit = 'open', consecutive_failures, paced_until > now()"
+						 "       circuit = 'open', consecutive_failures, paced_until"
 						 "  FROM idempotency.destinations",
 						 0, NULL);
 	if (SPI_execute_plan(plan, NULL, NULL, false, 0) != SPI_OK_SELECT)
@@ -349,7 +349,9 @@ relay_load_dests(MemoryContext cxt)
 		d->disable_after_ms = DatumGetInt64(spi_value(tup, 18, Int64GetDatum(DEST_DEFAULT_DISABLE_AFTER)));
 		d->circuit_open = DatumGetBool(spi_value(tup, 19, BoolGetDatum(false)));
 		d->consecutive_failures = DatumGetInt32(spi_value(tup, 20, Int32GetDatum(0)));
-		d->paced = DatumGetBool(spi_value(tup, 21, BoolGetDatum(false)));
+		/* Paced only while paced_until is ahead. */
+		d->paced = DatumGetTimestampTz(spi_value(tup, 21, TimestampTzGetDatum(0))) >
+			GetCurrentTimestamp();
 		dests = lappend(dests, d);
 		MemoryContextSwitchTo(old);
 	}

@@ -574,35 +574,42 @@ relay_read_claimed(MemoryContext cxt, RelayItem **items, int n)
 	"    ORDER BY w.next_attempt_at, w.seq" \
 	"   OFFSET greatest(k.take * $2, " CppAsString2(HEADS_WINDOW_MIN) ") LIMIT 1) w ON true"
 
+/* One more chain (or in-database delivery) held for destination id, in rooms. */
+void
+relay_rooms_count(RelayRooms *rooms, int32 id)
+{
+	int			j;
+
+	for (j = 0; j < rooms->n; j++)
+		if (rooms->ids[j] == id)
+			break;
+	if (j == rooms->n)
+	{
+		if (rooms->n == rooms->size)
+		{
+			rooms->size = Max(16, rooms->size * 2);
+			rooms->ids = rooms->ids ? repalloc(rooms->ids, sizeof(int32) * rooms->size)
+				: palloc(sizeof(int32) * rooms->size);
+			rooms->active = rooms->active ? repalloc(rooms->active, sizeof(int32) * rooms->size)
+				: palloc(sizeof(int32) * rooms->size);
+		}
+		rooms->ids[j] = id;
+		rooms->active[j] = 0;
+		rooms->n++;
+	}
+	rooms->active[j]++;
+}
+
 /* Count the 'http' heads just claimed (items[first .. n - 1]) against rooms. */
 void
 relay_rooms_take(RelayRooms *rooms, RelayItem **items, int first, int n)
 {
 	for (int i = first; i < n; i++)
 	{
-		int			j;
-
 		if (!items[i]->is_http)
 			continue;
 		rooms->http_room--;
-		for (j = 0; j < rooms->n; j++)
-			if (rooms->ids[j] == items[i]->dest_id)
-				break;
-		if (j == rooms->n)
-		{
-			if (rooms->n == rooms->size)
-			{
-				rooms->size = Max(16, rooms->size * 2);
-				rooms->ids = rooms->ids ? repalloc(rooms->ids, sizeof(int32) * rooms->size)
-					: palloc(sizeof(int32) * rooms->size);
-				rooms->active = rooms->active ? repalloc(rooms->active, sizeof(int32) * rooms->size)
-					: palloc(sizeof(int32) * rooms->size);
-			}
-			rooms->ids[j] = items[i]->dest_id;
-			rooms->active[j] = 0;
-			rooms->n++;
-		}
-		rooms->active[j]++;
+		relay_rooms_count(rooms, items[i]->dest_id);
 	}
 }
 

@@ -21,6 +21,7 @@
 #include "commands/trigger.h"
 #include "miscadmin.h"
 #include "nodes/makefuncs.h"
+#include "pgstat.h"
 #include "utils/memutils.h"
 #include "utils/timestamp.h"
 
@@ -37,6 +38,13 @@
 #define RELAY_LOOP_MIN_NAP_MS	1000
 
 /*
+ * How long one slice of function and notify deliveries may go on before
+ * the loop drives its webhooks again (a call that has begun runs to its
+ * end, at most its destination's timeout).
+ */
+#define RELAY_LOCAL_SLICE_MS	100
+
+/*
  * The worker's relay loop (see relay.h): requests stay in flight from one
  * iteration to the next, and nothing waits for a whole batch.
  *
@@ -44,7 +52,11 @@
  * requests' strings) is a RelayBatch, freed when the last of its webhooks
  * is recorded.  held lists the claimed webhooks whose outcome is not
  * recorded yet: the front of each chain is in flight, the rest of the chain
- * waits behind it (chain_held).  done lists the outcomes to record.
+ * waits behind it (chain_held).  done lists the outcomes to record.  local
+ * lists the claimed function and notify deliveries still to be made (or
+ * whose outcome is to be recorded): they are made in slices of about
+ * RELAY_LOCAL_SLICE_MS, one slice per iteration, so that a slow destination
+ * function holds up the webhooks for one call at most.
  */
 typedef struct RelayBatch
 {
@@ -64,6 +76,9 @@ static struct
 	RelayItem **done;
 	int			ndone;
 	int			done_size;
+	RelayItem **local;			/* claimed function and notify deliveries not made yet */
+	int			nlocal;
+	int			local_size;
 } relay_loop;
 
 /* Append it to one of the loop's arrays, growing it as needed. */
@@ -218,6 +233,10 @@ relay_loop_active(RelayRooms *rooms)
 		}
 	}
 	rooms->http_room = http_max_in_flight() - total;
+	/* In-database deliveries not made yet take their destination's room. */
+	for (int i = 0; i < relay_loop.nlocal; i++)
+		if (relay_loop.local[i]->outcome == RELAY_PENDING)
+			relay_rooms_count(rooms, relay_loop.local[i]->dest_id);
 	return total;
 }
 
@@ -252,8 +271,8 @@ relay_loop_next_due(void)
 /*
  * Record the outcomes in done, claim what may go now and act on it, in one
  * transaction: webhooks start (and stay in flight) once the claim has
- * committed; function and notify deliveries are made in a transaction of
- * their own, exactly as a pass makes them.  Returns the deliveries claimed,
+ * committed; function and notify deliveries join local, to be made in
+ * slices (relay_loop_local_slice).  Returns the deliveries claimed,
  * or -1 if the claim could not begin (the deliveries are locked, or the
  * outbox is gone), with done left for relay_loop_record.  *attempted grows
  * by the deliveries attempted; *due becomes when the loop next has work to
@@ -269,12 +288,9 @@ relay_loop_claim(int max_events, int64 *attempted, TimestampTz *due, bool *backl
 	RelayBatch *batch;
 	RelayItem **items;
 	RelayItem **local;
-	RelayItem **missed;
 	int			n;
 	int			nlocal = 0;
-	bool		any_local;
 	TimestampTz now = GetCurrentTimestamp();
-	MemoryContext old;
 
 	*backlog = false;
 	*local_claimed = false;
@@ -356,46 +372,11 @@ relay_loop_claim(int max_events, int64 *attempted, TimestampTz *due, bool *backl
 			relay_loop_start(items[i]);
 	http_async_kick();
 
-	if (nlocal > 0)
+	/* In-database deliveries: made in slices (relay_loop_local_slice). */
+	for (int i = 0; i < nlocal; i++)
 	{
-		/* As a pass's step 3b: the effect and the mark commit together. */
-		if (relay_step_begin(&step, "idempotency relay: deliver", false))
-		{
-			old = MemoryContextSwitchTo(batch->cxt);
-			missed = palloc(sizeof(RelayItem *) * nlocal);
-			MemoryContextSwitchTo(old);
-			relay_relock(local, nlocal, &any_local);
-			if (any_local)
-			{
-				ConstraintsSetStmt *immediate = makeNode(ConstraintsSetStmt);
-
-				relay_watch_cancel();
-				immediate->constraints = NIL;
-				immediate->deferred = false;
-				AfterTriggerSetState(immediate);
-			}
-			/* On error, relay_loop_run gives SIGINT back. */
-			for (int i = 0; any_local && i < nlocal; i++)
-			{
-				RelayItem  *it = local[i];
-
-				CHECK_FOR_INTERRUPTS();
-				if (it->outcome != RELAY_PENDING)
-					continue;
-				if (it->dest->kind == DEST_NOTIFY)
-					relay_notify(it);
-				else if (it->dest->kind == DEST_FUNCTION)
-					relay_call_function(it, batch->cxt);
-				if (it->outcome != RELAY_DELIVERED)
-					relay_release_chain(it);
-			}
-			relay_unwatch_cancel();
-			relay_record_all(local, nlocal, missed);
-			relay_step_end(&step);
-			for (int i = 0; i < nlocal; i++)
-				if (local[i]->outcome == RELAY_DELIVERED || local[i]->outcome == RELAY_FAILED)
-					(*attempted)++;
-		}
+		relay_loop_push(&relay_loop.local, &relay_loop.nlocal, &relay_loop.local_size, local[i]);
+		batch->live++;
 	}
 	if (batch->live == 0)
 	{
@@ -405,6 +386,133 @@ relay_loop_claim(int max_events, int64 *attempted, TimestampTz *due, bool *backl
 	return n;
 }
 
+/*
+ * Renew the claims of the webhooks in flight and of the in-database
+ * deliveries not made yet, if one could expire before a slice of function
+ * calls that may last slice_ms ends: each is then hidden from other relays
+ * for slice_ms, the margin and the longest timeout of those destinations
+ * more.  What is no longer ours is not sent or made.
+ */
+static void
+relay_loop_renew_for(int64 slice_ms)
+{
+	RelayItem **items;
+	int			n = 0;
+	int64		longest = 0;
+	TimestampTz soonest = 0;
+	TimestampTz now = GetCurrentTimestamp();
+	RelayLease	lease = {true, 0, 0};
+
+	items = palloc(sizeof(RelayItem *) * Max(relay_loop.nheld + relay_loop.nlocal, 1));
+	for (int i = 0; i < relay_loop.nheld; i++)
+		if (relay_loop.held[i]->outcome == RELAY_PENDING)
+			items[n++] = relay_loop.held[i];
+	for (int i = 0; i < relay_loop.nlocal; i++)
+		if (relay_loop.local[i]->outcome == RELAY_PENDING)
+			items[n++] = relay_loop.local[i];
+	for (int i = 0; i < n; i++)
+	{
+		if (soonest == 0 || items[i]->claimed_until < soonest)
+			soonest = items[i]->claimed_until;
+		longest = Max(longest, items[i]->dest->timeout_ms);
+	}
+	if (n == 0 || soonest > now + (slice_ms + relay_visibility_margin) * 1000)
+		return;
+	lease.window_us = (slice_ms + relay_visibility_margin + longest) * 1000;
+	relay_renew_claims(items, n, &lease);
+	for (int i = 0; i < relay_loop.nheld; i++)
+		if (relay_loop.held[i]->outcome == RELAY_RELEASED)
+			relay_loop_push(&relay_loop.done, &relay_loop.ndone, &relay_loop.done_size,
+							relay_loop.held[i]);
+}
+
+/*
+ * One slice of the in-database deliveries in local, in a transaction of its
+ * own, as a pass's step 3b makes them: each effect and its mark "delivered"
+ * commit together, after the claim is checked again (relay_relock).  The
+ * slice ends after RELAY_LOCAL_SLICE_MS (a call that has begun runs to its
+ * end: a destination function is bounded by its destination's timeout), so
+ * that the loop drives its webhooks between slices; before it begins, the
+ * loop's claims are renewed to outlast it.  Records what the slice made and
+ * what it gave back; the rest waits for the next slice.  Returns the
+ * deliveries attempted.
+ */
+static int64
+relay_loop_local_slice(void)
+{
+	RelayStep	step;
+	int64		attempted = 0;
+	int64		slice_ms = RELAY_LOCAL_SLICE_MS;
+	bool		any_local;
+	TimestampTz start;
+	int			k = 0;
+
+	for (int i = 0; i < relay_loop.nlocal; i++)
+		if (relay_loop.local[i]->outcome == RELAY_PENDING &&
+			relay_loop.local[i]->dest->kind == DEST_FUNCTION)
+			slice_ms = Max(slice_ms, RELAY_LOCAL_SLICE_MS + relay_loop.local[i]->dest->timeout_ms);
+	relay_loop_renew_for(slice_ms);
+
+	step.own_xact = true;
+	if (!relay_step_begin(&step, "idempotency relay: deliver", false))
+	{
+		/* The outbox is gone: so are the deliveries. */
+		for (int i = 0; i < relay_loop.nlocal; i++)
+			relay_loop_release_batch(relay_loop.local[i]);
+		relay_loop.nlocal = 0;
+		return 0;
+	}
+	relay_relock(relay_loop.local, relay_loop.nlocal, &any_local);
+	if (any_local)
+	{
+		ConstraintsSetStmt *immediate = makeNode(ConstraintsSetStmt);
+
+		relay_watch_cancel();
+		immediate->constraints = NIL;
+		immediate->deferred = false;
+		AfterTriggerSetState(immediate);
+	}
+	/* On error, relay_loop_run gives SIGINT back. */
+	start = GetCurrentTimestamp();
+	for (int i = 0; any_local && i < relay_loop.nlocal; i++)
+	{
+		RelayItem  *it = relay_loop.local[i];
+
+		CHECK_FOR_INTERRUPTS();
+		if (it->outcome != RELAY_PENDING)
+			continue;
+		if (TimestampDifferenceExceeds(start, GetCurrentTimestamp(), RELAY_LOCAL_SLICE_MS))
+			break;				/* the rest in the next slice */
+		if (it->dest->kind == DEST_NOTIFY)
+			relay_notify(it);
+		else if (it->dest->kind == DEST_FUNCTION)
+			relay_call_function(it, ((RelayBatch *) it->batch)->cxt);
+		if (it->outcome != RELAY_DELIVERED)
+			relay_release_chain(it);
+	}
+	relay_unwatch_cancel();
+	relay_record_all(relay_loop.local, relay_loop.nlocal,
+					 palloc(sizeof(RelayItem *) * Max(relay_loop.nlocal, 1)));
+	relay_step_end(&step);
+
+	/* What was made, given back or is no longer ours leaves local. */
+	for (int i = 0; i < relay_loop.nlocal; i++)
+	{
+		RelayItem  *it = relay_loop.local[i];
+
+		if (it->outcome == RELAY_PENDING)
+			relay_loop.local[k++] = it;
+		else
+		{
+			if (it->outcome == RELAY_DELIVERED || it->outcome == RELAY_FAILED)
+				attempted++;
+			relay_loop_release_batch(it);
+		}
+	}
+	relay_loop.nlocal = k;
+	return attempted;
+}
+
 /* Forget everything in flight (after an error): the claims expire and are taken again. */
 static void
 relay_loop_abandon(void)
@@ -412,6 +520,9 @@ relay_loop_abandon(void)
 	http_async_abandon();
 	for (int i = 0; i < relay_loop.nheld; i++)
 		relay_loop.held[i]->outcome = RELAY_SKIPPED;
+	for (int i = 0; i < relay_loop.nlocal; i++)
+		relay_loop_release_batch(relay_loop.local[i]);
+	relay_loop.nlocal = 0;
 	relay_loop.ndone = 0;
 	relay_loop_compact();
 }
@@ -499,6 +610,39 @@ relay_loop_iteration(int max_events, TimestampTz *wake_at, bool *full, bool *bac
 	}
 	attempted += relay_loop_record();
 	relay_loop_compact();
+
+	/* A slice of the function and notify deliveries claimed; the rest next time. */
+	if (relay_loop.nlocal > 0)
+	{
+		/*
+		 * A destination function may keep the loop from its requests for as
+		 * long as a call takes (up to its timeout): the requests in flight
+		 * get RELAY_LOCAL_SLICE_MS to complete first, and their outcomes
+		 * are recorded before the slice.
+		 */
+		TimestampTz until = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
+														 RELAY_LOCAL_SLICE_MS);
+
+		while (http_async_in_flight() > 0)
+		{
+			long		left = TimestampDifferenceMilliseconds(GetCurrentTimestamp(), until);
+
+			if (left <= 0)
+				break;
+			(void) relay_loop_wait(left, PG_WAIT_EXTENSION);
+			finished = http_async_collect();
+			foreach(lc, finished)
+				relay_loop_finished(lfirst(lc));
+			http_async_kick();	/* the next of their chains */
+		}
+		attempted += relay_loop_record();
+		relay_loop_compact();
+		attempted += relay_loop_local_slice();
+		attempted += relay_loop_record();	/* what a renewal gave back */
+		relay_loop_compact();
+		if (relay_loop.nlocal > 0)
+			relay_loop.claim_needed = true;
+	}
 	if (renew_at == 0)
 		renew_at = relay_loop_renew_at();
 	*full = max_events > 0 && claimed >= max_events;

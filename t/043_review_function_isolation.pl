@@ -10,9 +10,14 @@
 #
 # 1. Isolation: a function destination that takes 3 s per event gets 5
 #    events; while the worker is in its first call, 5 events are published
-#    to a healthy 'http' destination.  They must be received before the
-#    function's batch commits (15 s later), as the contract asks of every
+#    to a healthy 'http' destination.  They must be received long before the
+#    function's batch is over (15 s later), as the contract asks of every
 #    destination ("requests to different destinations are independent").
+#    A call that has begun runs to its end in the worker's backend (its
+#    destination's timeout bounds it): the loop makes function deliveries in
+#    slices of about 100 ms, so the webhooks go once the first call is over,
+#    before the second ends -- at most two of the five function deliveries
+#    are made by then.
 #
 # 2. A duplicate without any crash: a webhook claimed in the same iteration
 #    as a slow function batch has a visibility deadline of its destination's
@@ -90,12 +95,12 @@ while (time() < $deadline)
 {
 	$fn_done = fn_delivered();
 	$received = scalar(grep { $published{$_} } $sink->accepted);
-	last if $received == 5 || $fn_done > 0;
+	last if $received == 5 || $fn_done > 2;
 	sleep 0.05;
 }
-diag("when the first of them was over: healthy webhooks received $received of 5, function deliveries done $fn_done of 5");
+diag("healthy webhooks received $received of 5, function deliveries done $fn_done of 5");
 is($received, 5, 'the healthy webhooks were all received ...');
-is($fn_done, '0', '... while the slow function destination was still at work');
+cmp_ok($fn_done, '<=', 2, '... while the slow function destination was still at work (one call in, at most two)');
 $node->poll_query_until('postgres', q{
 	SELECT count(*) = 0 FROM idempotency.deliveries WHERE state <> 'delivered'})
   or die 'the deliveries were not all made';
@@ -109,22 +114,27 @@ my @after = grep { $first{$_} > $last_call - 0.5 } keys %published;
 diag(sprintf('%d of the 5 healthy webhooks were first received after the function batch ended',
 		scalar @after));
 
-# ---- 2. Duplicate: the webhook's claim expires during the function batch.
+# ---- 2. No duplicate: the webhook's claim outlasts the function batch.
+# Claimed with the batch, its visibility deadline is its destination's
+# timeout plus the margin (2 s); the loop renews the claims it holds before
+# each slice of function calls, to outlast the slice, so no other relay
+# takes it while the batch (15 s) runs.
 $sink->clear_log;
 # One transaction: the worker claims them in one iteration.
 my $hook = q1(q{
 	WITH f AS (SELECT idem_publish('fn.x', jsonb_build_object('n', n)) FROM generate_series(6, 10) n)
 	SELECT idem_publish('healthy.y', '{}') FROM (SELECT count(*) FROM f) c});
 worker_sleeping();
-# The worker claimed the webhook with the batch; wait until its deadline
-# has passed while the worker is still in the function batch.
+# Past the deadline the claim was made with, the worker still in the batch.
 $node->poll_query_until('postgres', qq{
-	SELECT visible_until < now() FROM idempotency.deliveries WHERE event_id = '$hook'
-	   AND state = 'pending' AND attempts = 1})
+	SELECT now() > last_attempt_at + interval '2.5 s' FROM idempotency.deliveries
+	 WHERE event_id = '$hook' AND attempts = 1})
   or die 'the webhook was not claimed by the worker';
 my $worker_busy = q1(q{
 	SELECT count(*) >= 1 FROM pg_stat_activity WHERE wait_event = 'PgSleep' AND pid <> pg_backend_pid()});
-is($worker_busy, 't', 'the function batch is still under way when the webhook\'s claim expires');
+is($worker_busy, 't', 'the function batch is still under way past the webhook\'s first deadline');
+is(q1(qq{SELECT state = 'delivered' OR visible_until > now() FROM idempotency.deliveries
+	WHERE event_id = '$hook'}), 't', 'its claim was renewed (or it is delivered)');
 my $taken = q1('SELECT idem_outbox_relay()');
 diag("a second relay (idem_outbox_relay) attempted $taken deliveries");
 $node->poll_query_until('postgres', q{

@@ -21,7 +21,7 @@
 #    alone, no database work, in as many processes; target >= 0.7) and, for
 #    information, against what wrk gets from the same nginx.
 #
-#   bash bench/relay.sh                          # about 4 minutes
+#   bash bench/relay.sh                          # about 8 minutes (the http drains are slow)
 #   BENCH_EVENTS=20000 BENCH_ROUNDS=1 BENCH_LATENCY_SECONDS=5 bash bench/relay.sh   # smoke run
 #
 # Runs as root: installs nginx-light and wrk if missing (Debian packages),

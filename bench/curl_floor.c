@@ -3,8 +3,10 @@
  *
  * Sends N POSTs to a URL with libcurl the way src/relay_http.c does -- one
  * multi handle, at most IN_FLIGHT requests on kept-alive connections, easy
- * handles reset and reused, the same headers and body, curl_multi_perform
- * and curl_multi_poll -- but with no database work and no signing.  What it
+ * handles reset and reused, the same headers, body and timeouts (those of a
+ * destination with the default options), curl_multi_perform and
+ * curl_multi_poll -- but with no database work and no signing (its
+ * webhook-signature header is a fixed one of the same size).  What it
  * reaches is the most a libcurl relay could reach on this machine; the
  * benchmark sets the relay against it, and it against wrk.
  *
@@ -24,6 +26,8 @@ static const char body[] = "{\"amount\": 10, \"currency\": \"EUR\", \"order\": 1
 static size_t
 discard(char *ptr, size_t size, size_t nmemb, void *userdata)
 {
+	(void) ptr;
+	(void) userdata;
 	return size * nmemb;
 }
 
@@ -57,6 +61,7 @@ start(CURLM *m, const char *url, CURL **spare, int *nspare)
 	h = curl_slist_append(h, "webhook-signature: v1,K5oZfzN95Z9UVu1EsfQmfVNQhnkZ2pj9o9NDN/H/pI4=");
 	curl_easy_setopt(e, CURLOPT_URL, url);
 	curl_easy_setopt(e, CURLOPT_PROTOCOLS_STR, "http,https");
+	curl_easy_setopt(e, CURLOPT_PROXY, "");
 	curl_easy_setopt(e, CURLOPT_FOLLOWLOCATION, 0L);
 	curl_easy_setopt(e, CURLOPT_NOSIGNAL, 1L);
 	curl_easy_setopt(e, CURLOPT_POST, 1L);
@@ -64,7 +69,8 @@ start(CURLM *m, const char *url, CURL **spare, int *nspare)
 	curl_easy_setopt(e, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t) strlen(body));
 	curl_easy_setopt(e, CURLOPT_HTTPHEADER, h);
 	curl_easy_setopt(e, CURLOPT_TIMEOUT_MS, 10000L);
-	curl_easy_setopt(e, CURLOPT_USERAGENT, "idempotency-relay/1.1");
+	curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS, 5000L);
+	curl_easy_setopt(e, CURLOPT_USERAGENT, "idempotency-relay/1.3");
 	curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, discard);
 	curl_easy_setopt(e, CURLOPT_PRIVATE, h);
 	if (curl_multi_add_handle(m, e) != CURLM_OK)

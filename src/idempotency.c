@@ -42,5 +42,6 @@ _PG_init(void)
 	WorkerInit();
 	OutboxInit();
 	RelayWakeupInit();
+	RelayInflightInit();
 	MarkGUCPrefixReserved("idempotency");
 }

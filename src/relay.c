@@ -667,7 +667,7 @@ relay_share_cmp(const void *a, const void *b)
  * max_events -- and rooms->http_room among webhooks -- in share order.
  * Returns the destinations given a share, in shares (allocated here); sets
  * *wanted to the sum of the shares, and *backlog if a destination has more
- * deliveries due than its share.
+ * deliveries due, and room for them, than its share.
  */
 static int
 relay_takes(int max_events, RelayRooms *rooms, TimestampTz now, RelayShare **shares,
@@ -727,7 +727,12 @@ relay_takes(int max_events, RelayRooms *rooms, TimestampTz now, RelayShare **sha
 		}
 		left -= s->take;
 		*wanted += s->take;
-		if (s->take < s->avail)
+		/*
+		 * A backlog that another relay process could take: more due than
+		 * this claim's own bounds let it take, not than the destination's
+		 * room, which the relay loops share.
+		 */
+		if (s->take < Min(s->avail, s->room))
 			*backlog = true;
 		if (s->take > 0)
 			(*shares)[n++] = *s;

@@ -131,4 +131,7 @@ extern void WorkerWakeRelay(Oid dbid);
  */
 extern void RelayWakeupInit(void);
 
+/* relay_inflight.c: reserve the shared table of requests in flight (when preloaded) */
+extern void RelayInflightInit(void);
+
 #endif							/* IDEM_RELAY_H */

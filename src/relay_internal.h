@@ -72,6 +72,13 @@ extern void relay_unwatch_cancel(void);
 extern void relay_call_function(RelayItem *it, MemoryContext cxt);
 extern void relay_record_all(RelayItem **items, int n, RelayItem **missed);
 
+/* relay_inflight.c: chains in flight per destination, shared by the relay loops */
+#define RELAY_CLAIM_LOCK_CLASS	0x1DE3	/* advisory objsubid of the loops' claim lock */
+extern void relay_inflight_lock(void);
+extern void relay_inflight_add_others(RelayRooms *rooms);
+extern void relay_inflight_publish(RelayRooms *held);
+extern void relay_inflight_withdraw(void);
+
 /* relay_circuit.c: per-destination endpoint state */
 extern void relay_endpoint_states(RelayItem **items, int n);
 extern void relay_claim_probes(RelayItem **items, int n, TimestampTz now);

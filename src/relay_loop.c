@@ -240,6 +240,16 @@ relay_loop_active(RelayRooms *rooms)
 	return total;
 }
 
+/* Publish the chains the loop holds per destination (relay_inflight.c). */
+static void
+relay_loop_publish(void)
+{
+	RelayRooms	held;
+
+	(void) relay_loop_active(&held);
+	relay_inflight_publish(&held);
+}
+
 /*
  * When the loop next has work to claim (see relay_next_due_except): the
  * destinations whose requests are all in flight are left out, so their
@@ -308,7 +318,10 @@ relay_loop_claim(int max_events, int64 *attempted, TimestampTz *due, bool *backl
 	batch = MemoryContextAllocZero(relay_loop.cxt, sizeof(RelayBatch));
 	batch->cxt = AllocSetContextCreate(relay_loop.cxt, "outbox relay claim",
 									   ALLOCSET_DEFAULT_SIZES);
+	/* Rooms count the chains every relay loop of the database holds. */
+	relay_inflight_lock();
 	(void) relay_loop_active(&rooms);
+	relay_inflight_add_others(&rooms);
 	n = relay_claim(max_events, 1, &rooms, now, batch->cxt, &items, backlog);
 	if (n > 0)
 	{
@@ -363,6 +376,7 @@ relay_loop_claim(int max_events, int64 *attempted, TimestampTz *due, bool *backl
 	 */
 	*local_claimed = nlocal > 0;
 	*due = relay_loop_next_due();
+	relay_loop_publish();
 	relay_step_end(&step);
 
 	/* The fronts of the chains go now. */
@@ -525,6 +539,7 @@ relay_loop_abandon(void)
 	relay_loop.nlocal = 0;
 	relay_loop.ndone = 0;
 	relay_loop_compact();
+	relay_inflight_withdraw();
 }
 
 /* The time by which a held webhook's claim should be renewed (0: none held). */
@@ -645,6 +660,7 @@ relay_loop_iteration(int max_events, TimestampTz *wake_at, bool *full, bool *bac
 	}
 	if (renew_at == 0)
 		renew_at = relay_loop_renew_at();
+	relay_loop_publish();		/* the chains that ended since the claim */
 	*full = max_events > 0 && claimed >= max_events;
 
 	/* (d) When to come back, besides a socket, a timer of libcurl or the latch. */

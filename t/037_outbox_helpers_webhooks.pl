@@ -1,12 +1,15 @@
 # Relay helpers start for a backlog of plain webhooks (issue 11).
 #
 # The worker starts helpers when an iteration of its loop leaves deliveries
-# due that it could not take.  A loop never claims a full batch of
-# idempotency.relay_batch_size webhooks (it claims up to each destination's
-# max_in_flight), so a backlog must be told by what is left due: here an
-# endpoint that answers after 0.2 s, with max_in_flight 4 and 200 events
-# due, and relay_batch_size at its default.  A helper starts, shares the
-# backlog, and every event is delivered.
+# due that it could not take for its own bounds.  A loop never claims a full
+# batch of idempotency.relay_batch_size webhooks (it claims up to each
+# destination's max_in_flight), so a backlog must be told by what is left
+# due: here two endpoints that answer after 0.2 s, each with max_in_flight 4
+# and 100 events due, and idempotency.relay_max_in_flight 4, so that the
+# worker's loop can take only one endpoint's room at a time.  A helper
+# starts, shares the backlog, and every event is delivered.  (A destination
+# whose own max_in_flight is reached starts no helper: its requests in
+# flight are counted across relay processes, t/060.)
 use strict;
 use warnings;
 
@@ -29,6 +32,7 @@ idempotency.databases = 'postgres'
 idempotency.cleanup_interval = '1h'
 idempotency.relay_allowed_networks = '127.0.0.1'
 idempotency.relay_workers = 2
+idempotency.relay_max_in_flight = 4
 });
 $node->start;
 $node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
@@ -39,9 +43,11 @@ my $sink = WebhookSink->new(
 	secrets => [$SECRET])->start;
 $sink->set_mode('sleep 0.2 204');
 $node->safe_psql('postgres', sprintf(q{
-	SELECT idem_destination_create('hook', 'http', '%s', '{hook.*}',
-		jsonb_build_object('secret', '%s', 'max_in_flight', 4));
-	SELECT count(idem_publish('hook.x', jsonb_build_object('n', n))) FROM generate_series(1, 200) n;},
+	SELECT idem_destination_create(d, 'http', '%s', ARRAY[d || '.*'],
+		jsonb_build_object('secret', '%s', 'max_in_flight', 4))
+	  FROM unnest(ARRAY['a', 'b']) d;
+	SELECT count(idem_publish(d || '.x', jsonb_build_object('n', n)))
+	  FROM generate_series(1, 100) n, unnest(ARRAY['a', 'b']) d;},
 	$sink->url, $SECRET));
 
 # A helper joins while the backlog lasts (200 events, 4 at a time, 0.2 s

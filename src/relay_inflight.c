@@ -1,0 +1,267 @@
+/*-------------------------------------------------------------------------
+ *
+ * relay_inflight.c
+ *	  Requests in flight per destination, shared by every relay loop of a
+ *	  database, so that max_in_flight bounds what one endpoint sees.
+ *
+ * Each relay loop (the per-database worker's and its helpers') holds chains
+ * of webhooks in flight across iterations.  Counting only its own would let
+ * N relay processes open N times a destination's max_in_flight: exactly
+ * what a slow endpoint with a backlog provokes, since its backlog is what
+ * starts helpers.  So each loop publishes, in shared memory, how many chains
+ * it holds per destination, and a claim counts the other loops' chains
+ * against the destination's room as well as its own.
+ *
+ * Claims of a database's loops are serialised by a transaction-level lock
+ * (relay_inflight_lock, RELAY_CLAIM_LOCK_CLASS) held from before the rooms
+ * are read until the claim, with its new chains published, commits: two
+ * loops never both see the same room free.  A claim is a short statement
+ * that never waits for rows (SKIP LOCKED), so the wait is short.
+ *
+ * A loop publishes its counts again when they change (as its requests
+ * complete), withdraws them all when it abandons its requests after an
+ * error, and at process exit (before_shmem_exit).  A crash reinitialises
+ * shared memory.  When the table is full (RELAY_INFLIGHT_MAX destinations
+ * with requests in flight in all databases), a destination that finds no
+ * entry is bounded per relay process, as before.
+ *
+ * A synchronous pass (idem_outbox_relay) neither publishes nor reads the
+ * counts: it bounds only its own requests to a destination.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "miscadmin.h"
+#include "storage/ipc.h"
+#include "storage/lmgr.h"
+#include "storage/lwlock.h"
+#include "storage/shmem.h"
+#include "utils/hsearch.h"
+#include "utils/memutils.h"
+
+#include "relay.h"
+#include "relay_internal.h"
+
+/* Destinations with requests in flight, in all databases, that the table holds. */
+#define RELAY_INFLIGHT_MAX	8192
+
+/* A destination of a database. */
+typedef struct InflightKey
+{
+	Oid			dbid;
+	int32		dest_id;
+} InflightKey;
+
+/* The chains in flight to it, summed over the relay loops that published them. */
+typedef struct InflightEntry
+{
+	InflightKey key;
+	int32		chains;
+} InflightEntry;
+
+static HTAB *inflight_table = NULL;
+static LWLock *inflight_lock = NULL;
+
+static shmem_request_hook_type prev_shmem_request_hook = NULL;
+static shmem_startup_hook_type prev_shmem_startup_hook = NULL;
+
+/* What this process has published: destination ids and their chains. */
+static int32 *published_ids = NULL;
+static int32 *published_chains = NULL;
+static int	npublished = 0;
+static int	published_size = 0;
+static bool exit_registered = false;
+
+/* shmem_request_hook: reserve the table and its LWLock. */
+static void
+relay_inflight_shmem_request(void)
+{
+	if (prev_shmem_request_hook)
+		prev_shmem_request_hook();
+	RequestAddinShmemSpace(hash_estimate_size(RELAY_INFLIGHT_MAX, sizeof(InflightEntry)));
+	RequestNamedLWLockTranche("idempotency relay in flight", 1);
+}
+
+/* shmem_startup_hook: create (or attach to) the table. */
+static void
+relay_inflight_shmem_startup(void)
+{
+	HASHCTL		info;
+
+	if (prev_shmem_startup_hook)
+		prev_shmem_startup_hook();
+	memset(&info, 0, sizeof(info));
+	info.keysize = sizeof(InflightKey);
+	info.entrysize = sizeof(InflightEntry);
+	LWLockAcquire(AddinShmemInitLock, LW_EXCLUSIVE);
+	inflight_table = ShmemInitHash("idempotency relay in flight",
+								   RELAY_INFLIGHT_MAX, RELAY_INFLIGHT_MAX,
+								   &info, HASH_ELEM | HASH_BLOBS);
+	inflight_lock = &(GetNamedLWLockTranche("idempotency relay in flight"))->lock;
+	LWLockRelease(AddinShmemInitLock);
+}
+
+/* See relay.h. */
+void
+RelayInflightInit(void)
+{
+	if (!process_shared_preload_libraries_in_progress)
+		return;
+	prev_shmem_request_hook = shmem_request_hook;
+	shmem_request_hook = relay_inflight_shmem_request;
+	prev_shmem_startup_hook = shmem_startup_hook;
+	shmem_startup_hook = relay_inflight_shmem_startup;
+}
+
+/*
+ * Serialise this claim with the other relay loops' claims in this database,
+ * until the end of the transaction.
+ */
+void
+relay_inflight_lock(void)
+{
+	LOCKTAG		tag;
+
+	SET_LOCKTAG_ADVISORY(tag, MyDatabaseId, 0, 0, RELAY_CLAIM_LOCK_CLASS);
+	(void) LockAcquire(&tag, ExclusiveLock, false, false);
+}
+
+/* The chains this process has published for destination id. */
+static int32
+relay_inflight_mine(int32 id)
+{
+	for (int i = 0; i < npublished; i++)
+		if (published_ids[i] == id)
+			return published_chains[i];
+	return 0;
+}
+
+/*
+ * Add to rooms the chains the other relay loops of this database hold per
+ * destination, so that the claim takes them into its rooms.
+ */
+void
+relay_inflight_add_others(RelayRooms *rooms)
+{
+	HASH_SEQ_STATUS status;
+	InflightEntry *e;
+
+	if (inflight_table == NULL)
+		return;
+	LWLockAcquire(inflight_lock, LW_SHARED);
+	hash_seq_init(&status, inflight_table);
+	while ((e = hash_seq_search(&status)) != NULL)
+	{
+		int32		others;
+
+		if (e->key.dbid != MyDatabaseId)
+			continue;
+		others = e->chains - relay_inflight_mine(e->key.dest_id);
+		for (int32 k = 0; k < others; k++)
+			relay_rooms_count(rooms, e->key.dest_id);
+	}
+	LWLockRelease(inflight_lock);
+}
+
+/*
+ * Add delta to destination id's shared count; the caller holds the LWLock
+ * exclusively.  Returns false if the table is full and had no entry for it.
+ */
+static bool
+relay_inflight_adjust(int32 id, int32 delta)
+{
+	InflightKey key;
+	InflightEntry *e;
+	bool		found;
+
+	memset(&key, 0, sizeof(key));
+	key.dbid = MyDatabaseId;
+	key.dest_id = id;
+	e = hash_search(inflight_table, &key, delta > 0 ? HASH_ENTER_NULL : HASH_FIND, &found);
+	if (e == NULL)
+		return false;			/* table full: this destination is bounded per process */
+	if (!found)
+		e->chains = 0;
+	e->chains += delta;
+	if (e->chains <= 0)
+		(void) hash_search(inflight_table, &key, HASH_REMOVE, NULL);
+	return true;
+}
+
+/* before_shmem_exit: withdraw what this process published. */
+static void
+relay_inflight_at_exit(int code, Datum arg)
+{
+	relay_inflight_withdraw();
+}
+
+/*
+ * Publish the chains this process now holds per destination (held, as
+ * relay_loop_active counts them, in rooms), replacing what it published
+ * before.  Takes the LWLock only when something changed.
+ */
+void
+relay_inflight_publish(RelayRooms *held)
+{
+	bool		same = true;
+	int			nheld = 0;
+
+	if (inflight_table == NULL)
+		return;
+	for (int i = 0; i < held->n; i++)
+		if (held->active[i] > 0)
+		{
+			nheld++;
+			if (relay_inflight_mine(held->ids[i]) != held->active[i])
+				same = false;
+		}
+	if (same && nheld == npublished)
+		return;
+
+	if (!exit_registered)
+	{
+		before_shmem_exit(relay_inflight_at_exit, (Datum) 0);
+		exit_registered = true;
+	}
+	if (published_size < held->n)
+	{
+		published_size = Max(held->n, 16);
+		if (published_ids == NULL)
+		{
+			published_ids = MemoryContextAlloc(TopMemoryContext, sizeof(int32) * published_size);
+			published_chains = MemoryContextAlloc(TopMemoryContext, sizeof(int32) * published_size);
+		}
+		else
+		{
+			published_ids = repalloc(published_ids, sizeof(int32) * published_size);
+			published_chains = repalloc(published_chains, sizeof(int32) * published_size);
+		}
+	}
+
+	LWLockAcquire(inflight_lock, LW_EXCLUSIVE);
+	for (int i = 0; i < npublished; i++)
+		(void) relay_inflight_adjust(published_ids[i], -published_chains[i]);
+	npublished = 0;
+	for (int i = 0; i < held->n; i++)
+		if (held->active[i] > 0 && relay_inflight_adjust(held->ids[i], held->active[i]))
+		{
+			published_ids[npublished] = held->ids[i];
+			published_chains[npublished] = held->active[i];
+			npublished++;
+		}
+	LWLockRelease(inflight_lock);
+}
+
+/* Withdraw everything this process published (its requests are abandoned, or it exits). */
+void
+relay_inflight_withdraw(void)
+{
+	if (inflight_table == NULL || npublished == 0)
+		return;
+	LWLockAcquire(inflight_lock, LW_EXCLUSIVE);
+	for (int i = 0; i < npublished; i++)
+		(void) relay_inflight_adjust(published_ids[i], -published_chains[i]);
+	npublished = 0;
+	LWLockRelease(inflight_lock);
+}

@@ -651,6 +651,7 @@ idem_destination_alter(PG_FUNCTION_ARGS)
 						"       failure_threshold = $10, disable_after_ms = $11"
 						" WHERE name = $1",
 						11, argtypes, values, nulls, SPI_OK_UPDATE);
+	outbox_dests_changed_at_commit();
 	PG_RETURN_VOID();
 }
 
@@ -673,6 +674,7 @@ idem_destination_drop(PG_FUNCTION_ARGS)
 					 " SELECT id FROM d",
 					 1, argtypes, values, NULL, SPI_OK_SELECT) == 0)
 		dest_report_missing(name);
+	outbox_dests_changed_at_commit();
 	PG_RETURN_VOID();
 }
 
@@ -687,6 +689,7 @@ idem_destination_pause(PG_FUNCTION_ARGS)
 	if (dest_execute("UPDATE idempotency.destinations SET paused = true WHERE name = $1",
 					 1, argtypes, values, NULL, SPI_OK_UPDATE) == 0)
 		dest_report_missing(name);
+	outbox_dests_changed_at_commit();
 	PG_RETURN_VOID();
 }
 
@@ -710,7 +713,7 @@ idem_destination_resume(PG_FUNCTION_ARGS)
 					 " WHERE name = $1",
 					 1, argtypes, values, NULL, SPI_OK_UPDATE) == 0)
 		dest_report_missing(name);
-	outbox_wake_at_commit();
+	outbox_dests_changed_at_commit();
 	PG_RETURN_VOID();
 }
 

@@ -57,6 +57,7 @@
 #include "lockhash.h"
 #include "outbox.h"
 #include "records.h"
+#include "stats.h"
 #include "relay.h"
 
 #define OUTBOX_SCHEMA	"idempotency"
@@ -71,6 +72,9 @@ char	   *relay_allowed_networks = NULL;
 
 /* Set by idem_publish (and the operator functions): wake the relay at commit. */
 static bool wake_at_commit = false;
+
+/* Set when a destination changes: tell the relay loops at commit. */
+static bool dests_changed_at_commit = false;
 
 /* What idem_publish writes (records.h: IdemRelCache). */
 static IdemRelCache publish_rels = IDEM_RELCACHE("outbox", "deliveries", "destinations", "outbox_seq");
@@ -87,6 +91,11 @@ outbox_xact_callback(XactEvent event, void *arg)
 	switch (event)
 	{
 		case XACT_EVENT_COMMIT:
+			if (dests_changed_at_commit)
+			{
+				dests_changed_at_commit = false;
+				idem_stats_dest_changed();
+			}
 			if (wake_at_commit)
 			{
 				wake_at_commit = false;
@@ -96,6 +105,7 @@ outbox_xact_callback(XactEvent event, void *arg)
 		case XACT_EVENT_ABORT:
 		case XACT_EVENT_PREPARE:
 			wake_at_commit = false;
+			dests_changed_at_commit = false;
 			break;
 		default:
 			break;
@@ -164,6 +174,18 @@ OutboxInit(void)
 void
 outbox_wake_at_commit(void)
 {
+	wake_at_commit = true;
+}
+
+/*
+ * A destination changed in this transaction: at commit, relay loops give
+ * back what they claimed for it before (stats.c's destination generation),
+ * and the relay is woken.
+ */
+void
+outbox_dests_changed_at_commit(void)
+{
+	dests_changed_at_commit = true;
 	wake_at_commit = true;
 }
 

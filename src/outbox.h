@@ -102,6 +102,7 @@ extern bool outbox_installed(void);
 extern void outbox_become_owner(OutboxOwnerState *state);
 extern void outbox_restore_user(OutboxOwnerState *state);
 extern void outbox_wake_at_commit(void);
+extern void outbox_dests_changed_at_commit(void);
 extern bool outbox_topic_matches(Datum topics, text *topic);
 extern void outbox_check_headers(Jsonb *headers, const char *what);
 extern void outbox_check_name(text *value, const char *what);

@@ -430,6 +430,7 @@ relay_disable(List *dests)
 			elog(ERROR, "could not disable outbox destination");
 		if (SPI_processed == 0)
 			continue;
+		outbox_dests_changed_at_commit();	/* chains claimed for it stop */
 		ereport(LOG,
 				(errmsg("outbox destination \"%s\" disabled: %s", d->name, d->disable_reason),
 				 errhint("Resume it with idem_destination_resume() once the endpoint is back.")));

@@ -29,6 +29,7 @@
 #include "relay.h"
 #include "relay_http.h"
 #include "relay_internal.h"
+#include "stats.h"
 
 /*
  * The shortest sleep of the loop when deliveries are due but none could be
@@ -62,6 +63,7 @@ typedef struct RelayBatch
 {
 	MemoryContext cxt;
 	int			live;			/* its webhooks in held */
+	uint64		dest_generation;	/* idem_stats_dest_generation() before the claim */
 } RelayBatch;
 
 static struct
@@ -126,8 +128,14 @@ static void
 relay_loop_finished(RelayItem *it)
 {
 	relay_loop_push(&relay_loop.done, &relay_loop.ndone, &relay_loop.done_size, it);
+	/*
+	 * The next of its chain goes, unless a destination was paused, altered,
+	 * dropped or disabled since the claim: then the rest of the chain is
+	 * given back, and the next claim sees the destination as it is now.
+	 */
 	if (it->outcome == RELAY_DELIVERED && it->chain_next != NULL &&
-		it->chain_next->outcome == RELAY_PENDING)
+		it->chain_next->outcome == RELAY_PENDING &&
+		((RelayBatch *) it->batch)->dest_generation == idem_stats_dest_generation())
 	{
 		it->chain_next->chain_held = false;
 		relay_loop_start(it->chain_next);
@@ -301,6 +309,7 @@ relay_loop_claim(int max_events, int64 *attempted, TimestampTz *due, bool *backl
 	int			n;
 	int			nlocal = 0;
 	TimestampTz now = GetCurrentTimestamp();
+	uint64		dest_generation = idem_stats_dest_generation();	/* before the claim's snapshot */
 
 	*backlog = false;
 	*local_claimed = false;
@@ -316,6 +325,7 @@ relay_loop_claim(int max_events, int64 *attempted, TimestampTz *due, bool *backl
 		return 0;
 	}
 	batch = MemoryContextAllocZero(relay_loop.cxt, sizeof(RelayBatch));
+	batch->dest_generation = dest_generation;
 	batch->cxt = AllocSetContextCreate(relay_loop.cxt, "outbox relay claim",
 									   ALLOCSET_DEFAULT_SIZES);
 	/* Rooms count the chains every relay loop of the database holds. */

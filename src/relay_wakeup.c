@@ -56,7 +56,10 @@ relay_process_utility(PlannedStmt *pstmt, const char *queryString,
 
 	/* The prepared transaction is committed and visible by now. */
 	if (commit_prepared)
+	{
+		idem_stats_dest_changed();	/* it may have changed a destination */
 		WorkerWakeRelay(MyDatabaseId);
+	}
 }
 
 /* Install the utility hook; called once from _PG_init. */

@@ -47,6 +47,7 @@ typedef struct IdemStatsSlot
 	int			worker_pid;		/* its cleanup worker, 0 if none; LWLock */
 	pg_atomic_uint32 worker_procno; /* the worker's PGPROC number + 1, 0 if none */
 	pg_atomic_uint64 counters[IDEM_STAT_NUM_COUNTERS];
+	pg_atomic_uint64 dest_generation;	/* bumped when a destination changes */
 	slock_t		mutex;			/* protects the fields below */
 	TimestampTz stats_reset;
 	bool		has_cleanup;	/* a cleanup pass has completed */
@@ -109,6 +110,7 @@ stats_slot_init(IdemStatsSlot *slot, Oid dbid)
 	pg_atomic_write_u32(&slot->worker_procno, 0);
 	for (int i = 0; i < IDEM_STAT_NUM_COUNTERS; i++)
 		pg_atomic_write_u64(&slot->counters[i], 0);
+	pg_atomic_write_u64(&slot->dest_generation, 0);
 	SpinLockAcquire(&slot->mutex);
 	slot->stats_reset = GetCurrentTimestamp();
 	slot->has_cleanup = false;
@@ -141,6 +143,7 @@ stats_shmem_startup(void)
 			pg_atomic_init_u32(&slot->worker_procno, 0);
 			for (int c = 0; c < IDEM_STAT_NUM_COUNTERS; c++)
 				pg_atomic_init_u64(&slot->counters[c], 0);
+			pg_atomic_init_u64(&slot->dest_generation, 0);
 			SpinLockInit(&slot->mutex);
 		}
 	}
@@ -324,6 +327,29 @@ idem_stats_wake_worker(void)
 	procno = pg_atomic_read_u32(&slot->worker_procno);
 	if (procno != 0)
 		SetLatch(&GetPGProcByNumber(procno - 1)->procLatch);
+}
+
+/*
+ * A committed change of this database's destinations (paused, resumed,
+ * altered, dropped, disabled): relay loops give back the chains they
+ * claimed before it (see idem_stats_dest_generation).
+ */
+void
+idem_stats_dest_changed(void)
+{
+	IdemStatsSlot *slot = stats_my_slot();
+
+	if (slot != NULL)
+		pg_atomic_fetch_add_u64(&slot->dest_generation, 1);
+}
+
+/* How many committed changes of this database's destinations there have been. */
+uint64
+idem_stats_dest_generation(void)
+{
+	IdemStatsSlot *slot = stats_my_slot();
+
+	return slot == NULL ? 0 : pg_atomic_read_u64(&slot->dest_generation);
 }
 
 /* The PID of the cleanup worker registered for dbid, or 0. */

@@ -49,6 +49,8 @@ extern void idem_stats_report_cleanup(const IdemCleanupReport *report);
 
 extern int	idem_stats_register_worker(void);
 extern void idem_stats_wake_worker(void);
+extern void idem_stats_dest_changed(void);
+extern uint64 idem_stats_dest_generation(void);
 extern int	idem_stats_worker_pid(Oid dbid);
 
 #endif							/* IDEM_STATS_H */

@@ -320,8 +320,13 @@ relay_loop_claim(int max_events, int64 *attempted, TimestampTz *due, bool *backl
 		*attempted += relay_loop_record_in_step();
 	if (!relay_schema_current(true))
 	{
+		/*
+		 * The library is newer than the extension's objects: look again
+		 * shortly, so that the backlog flows once ALTER EXTENSION UPDATE
+		 * has committed (nothing else wakes the loop then).
+		 */
 		relay_step_end(&step);
-		*due = 0;
+		*due = TimestampTzPlusMilliseconds(now, RELAY_LOOP_MIN_NAP_MS);
 		return 0;
 	}
 	batch = MemoryContextAllocZero(relay_loop.cxt, sizeof(RelayBatch));

@@ -680,6 +680,7 @@ relay_takes(int max_events, RelayRooms *rooms, TimestampTz now, RelayShare **sha
 	SPIPlanPtr	plan;
 	int			left = max_events;
 	int			http_left = Max(rooms->http_room, 0);
+	int			local_left = Max(rooms->local_room, 0);
 	int			n = 0;
 
 	*wanted = 0;
@@ -724,6 +725,11 @@ relay_takes(int max_events, RelayRooms *rooms, TimestampTz now, RelayShare **sha
 		{
 			s->take = Min(s->take, http_left);
 			http_left -= s->take;
+		}
+		else if (rooms->limit)
+		{
+			s->take = Min(s->take, local_left);
+			local_left -= s->take;
 		}
 		left -= s->take;
 		*wanted += s->take;
@@ -787,6 +793,14 @@ relay_claim_heads(int max_events, bool windowed, int waves, RelayRooms *rooms,
 	return n;
 }
 
+/* Which heads a claim of followers follows. */
+typedef enum RelayHeads
+{
+	HEADS_ALL,
+	HEADS_HTTP,
+	HEADS_LOCAL,				/* function and notify */
+} RelayHeads;
+
 /*
  * Claim, behind each keyed head just claimed, the following deliveries of
  * its key to its destination, in seq order, as long as they are pending and
@@ -794,12 +808,13 @@ relay_claim_heads(int max_events, bool windowed, int waves, RelayRooms *rooms,
  * is not held to one event per pass.  No other relay can take them: their
  * head is claimed, so for everyone else an earlier delivery of their key is
  * undelivered.  At most room in all, shared out evenly between the keys.
- * The heads are items[first .. n - 1]; appends the followers after them.
+ * The heads are those of items[first .. last - 1] that which selects;
+ * appends the followers after items[n - 1] and returns the new count.
  * waves sizes the visibility deadline (see CLAIM_UPDATE).
  */
 static int
 relay_claim_followers(int room, int waves, TimestampTz now, MemoryContext cxt,
-					  RelayItem **items, int first, int n)
+					  RelayItem **items, int first, int last, int n, RelayHeads which)
 {
 	Oid			argtypes[8] = {TIMESTAMPTZOID, INT4OID, INT4OID, INT4OID,
 		INT4ARRAYOID, TEXTARRAYOID, INT8ARRAYOID, INT4OID};
@@ -810,8 +825,9 @@ relay_claim_followers(int room, int waves, TimestampTz now, MemoryContext cxt,
 	int			nheads = 0;
 	SPIPlanPtr	plan;
 
-	for (int i = first; i < n; i++)
-		if (items[i]->key != NULL)
+	for (int i = first; i < last; i++)
+		if (items[i]->key != NULL &&
+			(which == HEADS_ALL || (which == HEADS_HTTP) == items[i]->is_http))
 		{
 			dests[nheads] = Int32GetDatum(items[i]->dest_id);
 			keys[nheads] = CStringGetTextDatum(items[i]->key);
@@ -952,7 +968,22 @@ relay_claim(int max_events, int waves, RelayRooms *rooms, TimestampTz now,
 	if (!heads_sparse)
 		beyond_at = now;
 	heads_sparse = heads < wanted;
-	n = relay_claim_followers(max_events - n, waves, now, cxt, *items, 0, n);
+	if (!rooms->limit)
+		n = relay_claim_followers(max_events - n, waves, now, cxt, *items, 0, n, n, HEADS_ALL);
+	else
+	{
+		/* In the loop, in-database followers within its room for them. */
+		int			nheads = n;
+		int			local_heads = 0;
+
+		for (int i = 0; i < nheads; i++)
+			if (!(*items)[i]->is_http)
+				local_heads++;
+		n = relay_claim_followers(max_events - n, waves, now, cxt, *items, 0, nheads, n,
+								  HEADS_HTTP);
+		n = relay_claim_followers(Min(max_events - n, rooms->local_room - local_heads),
+								  waves, now, cxt, *items, 0, nheads, n, HEADS_LOCAL);
+	}
 	AtEOXact_GUC(true, save_nestlevel);
 	qsort(*items, n, sizeof(RelayItem *), relay_item_cmp);
 	relay_link_chains(*items, n);

@@ -30,7 +30,9 @@ typedef struct RelayStep
  * How many more requests a claim may open: to each destination (in the
  * worker's loop, whose requests stay in flight, its max_in_flight less the
  * chains of its deliveries the loop holds; a destination whose circuit is
- * open, one probe) and to all 'http' destinations together.
+ * open, one probe) and to all 'http' destinations together; and, in the
+ * loop, how many function and notify deliveries it may take (about what
+ * one slice makes, so that a crash interrupts no more than that).
  */
 typedef struct RelayRooms
 {
@@ -40,6 +42,7 @@ typedef struct RelayRooms
 	int32	   *ids;
 	int32	   *active;			/* chains held per destination */
 	int			http_room;		/* 'http' heads the claim may still take */
+	int			local_room;		/* with limit: in-database deliveries it may take */
 } RelayRooms;
 
 /* Whether a relay pass or the loop runs in this backend (a destination may not start another). */

@@ -81,6 +81,7 @@ static struct
 	RelayItem **local;			/* claimed function and notify deliveries not made yet */
 	int			nlocal;
 	int			local_size;
+	int			slice_size;		/* in-database deliveries a claim may hold: about a slice's */
 } relay_loop;
 
 /* Append it to one of the loop's arrays, growing it as needed. */
@@ -241,10 +242,14 @@ relay_loop_active(RelayRooms *rooms)
 		}
 	}
 	rooms->http_room = http_max_in_flight() - total;
+	rooms->local_room = relay_loop.slice_size;
 	/* In-database deliveries not made yet take their destination's room. */
 	for (int i = 0; i < relay_loop.nlocal; i++)
 		if (relay_loop.local[i]->outcome == RELAY_PENDING)
+		{
 			relay_rooms_count(rooms, relay_loop.local[i]->dest_id);
+			rooms->local_room--;
+		}
 	return total;
 }
 
@@ -473,8 +478,10 @@ relay_loop_local_slice(void)
 	int64		attempted = 0;
 	int64		slice_ms = RELAY_LOCAL_SLICE_MS;
 	bool		any_local;
+	bool		ran_out = false;
 	TimestampTz start;
 	int			k = 0;
+	int			made = 0;
 
 	for (int i = 0; i < relay_loop.nlocal; i++)
 		if (relay_loop.local[i]->outcome == RELAY_PENDING &&
@@ -511,7 +518,11 @@ relay_loop_local_slice(void)
 		if (it->outcome != RELAY_PENDING)
 			continue;
 		if (TimestampDifferenceExceeds(start, GetCurrentTimestamp(), RELAY_LOCAL_SLICE_MS))
+		{
+			ran_out = true;
 			break;				/* the rest in the next slice */
+		}
+		made++;
 		if (it->dest->kind == DEST_NOTIFY)
 			relay_notify(it);
 		else if (it->dest->kind == DEST_FUNCTION)
@@ -523,6 +534,17 @@ relay_loop_local_slice(void)
 	relay_record_all(relay_loop.local, relay_loop.nlocal,
 					 palloc(sizeof(RelayItem *) * Max(relay_loop.nlocal, 1)));
 	relay_step_end(&step);
+
+	/*
+	 * The next claims take about what a slice makes: as many as this one
+	 * made when it ran out of time, twice as many when it made all it held
+	 * in less than half its time.
+	 */
+	if (ran_out)
+		relay_loop.slice_size = Max(made, 1);
+	else if (made > 0 && !TimestampDifferenceExceeds(start, GetCurrentTimestamp(),
+													   RELAY_LOCAL_SLICE_MS / 2))
+		relay_loop.slice_size = Min(relay_loop.slice_size * 2, relay_batch_size);
 
 	/* What was made, given back or is no longer ours leaves local. */
 	for (int i = 0; i < relay_loop.nlocal; i++)
@@ -715,6 +737,7 @@ relay_loop_run(int max_events, TimestampTz *wake_at, bool *full, bool *backlog)
 		relay_loop.itercxt = AllocSetContextCreate(relay_loop.cxt, "outbox relay iteration",
 												   ALLOCSET_DEFAULT_SIZES);
 		relay_loop.claim_needed = true;
+		relay_loop.slice_size = 1;
 	}
 	if (relay_pass_running)
 		elog(ERROR, "a relay loop cannot run inside a relay pass");

@@ -202,6 +202,7 @@ relay_step_begin(RelayStep *step, const char *activity, bool skippable)
 {
 	if (step->own_xact)
 	{
+		step->caller_cxt = CurrentMemoryContext;
 		SetCurrentStatementStartTimestamp();
 		StartTransactionCommand();
 		PushActiveSnapshot(GetTransactionSnapshot());
@@ -215,6 +216,7 @@ relay_step_begin(RelayStep *step, const char *activity, bool skippable)
 		{
 			PopActiveSnapshot();
 			CommitTransactionCommand();
+			MemoryContextSwitchTo(step->caller_cxt);
 			pgstat_report_activity(STATE_IDLE, NULL);
 		}
 		return false;
@@ -263,6 +265,8 @@ relay_step_end(RelayStep *step)
 	{
 		PopActiveSnapshot();
 		CommitTransactionCommand();
+		/* Not TopMemoryContext, where the commit leaves us: the caller's. */
+		MemoryContextSwitchTo(step->caller_cxt);
 		pgstat_report_stat(false);
 		pgstat_report_activity(STATE_IDLE, NULL);
 	}
@@ -667,7 +671,7 @@ relay_share_cmp(const void *a, const void *b)
  * max_events -- and rooms->http_room among webhooks -- in share order.
  * Returns the destinations given a share, in shares (allocated here); sets
  * *wanted to the sum of the shares, and *backlog if a destination has more
- * deliveries due, and room for them, than its share.
+ * deliveries due than its share.
  */
 static int
 relay_takes(int max_events, RelayRooms *rooms, TimestampTz now, RelayShare **shares,
@@ -734,11 +738,11 @@ relay_takes(int max_events, RelayRooms *rooms, TimestampTz now, RelayShare **sha
 		left -= s->take;
 		*wanted += s->take;
 		/*
-		 * A backlog that another relay process could take: more due than
-		 * this claim's own bounds let it take, not than the destination's
-		 * room, which the relay loops share.
+		 * A backlog that relay helpers could share: more due than this
+		 * claim took (the relay loops share a destination's room, so they
+		 * never open more than its max_in_flight together).
 		 */
-		if (s->take < Min(s->avail, s->room))
+		if (s->take < s->avail)
 			*backlog = true;
 		if (s->take > 0)
 			(*shares)[n++] = *s;

@@ -24,6 +24,7 @@ typedef struct RelayStep
 {
 	bool		own_xact;
 	OutboxOwnerState owner;
+	MemoryContext caller_cxt;	/* own_xact: current again after the commit */
 } RelayStep;
 
 /*

@@ -18,9 +18,8 @@
  * idem_outbox_relay(): no delivery is claimed while an earlier one of its key
  * is undelivered.
  *
- * Each relay process counts its own requests against a destination's
- * max_in_flight: with N relay processes, an endpoint with a backlog may
- * have up to N times max_in_flight requests under way.
+ * The relay loops share each destination's max_in_flight
+ * (relay_inflight.c): a helper adds CPU, not requests, to an endpoint.
  *
  * Helpers live only as long as a backlog: a helper whose loop has neither
  * claimed a full batch nor had a webhook in flight for HELPER_LINGER_MS

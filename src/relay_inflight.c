@@ -7,7 +7,7 @@
  * Each relay loop (the per-database worker's and its helpers') holds chains
  * of webhooks in flight across iterations.  Counting only its own would let
  * N relay processes open N times a destination's max_in_flight: exactly
- * what a slow endpoint with a backlog provokes, since its backlog is what
+ * what a slow endpoint with a backlog provokes, since a backlog is what
  * starts helpers.  So each loop publishes, in shared memory, how many chains
  * it holds per destination, and a claim counts the other loops' chains
  * against the destination's room as well as its own.

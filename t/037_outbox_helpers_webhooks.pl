@@ -7,9 +7,9 @@
 # due: here two endpoints that answer after 0.2 s, each with max_in_flight 4
 # and 100 events due, and idempotency.relay_max_in_flight 4, so that the
 # worker's loop can take only one endpoint's room at a time.  A helper
-# starts, shares the backlog, and every event is delivered.  (A destination
-# whose own max_in_flight is reached starts no helper: its requests in
-# flight are counted across relay processes, t/060.)
+# starts, shares the backlog, and every event is delivered.  (A helper also
+# starts for one destination whose max_in_flight is taken, and shares that
+# room with the worker: t/060 checks the bound holds across them.)
 use strict;
 use warnings;
 

@@ -85,7 +85,8 @@ SELECT d.name AS destination, d.kind,
 		  FROM idempotency.deliveries x
 		  JOIN idempotency.outbox o ON o.event_id OPERATOR(pg_catalog.=) x.event_id
 		 WHERE x.destination_id OPERATOR(pg_catalog.=) d.id
-		   AND x.state OPERATOR(pg_catalog.<>) 'delivered') q ON true;
+		   AND (x.state OPERATOR(pg_catalog.=) 'pending'
+				OR x.state OPERATOR(pg_catalog.=) 'dead')) q ON true;
 
 /*
  * The relay's "when next": each destination's earliest pending delivery,
@@ -106,5 +107,21 @@ CREATE INDEX deliveries_due_by_destination ON idempotency.deliveries (destinatio
  * every claim and every outcome recorded would still pay for its entries.
  */
 DROP INDEX idempotency.deliveries_due;
+
+/*
+ * Per-key order asks "is an earlier delivery of this key undelivered?",
+ * which only a keyed delivery asks.  deliveries_undelivered held every
+ * undelivered delivery, and no claim is a HOT update (it moves
+ * next_attempt_at), so each claim of a delivery without a key paid for an
+ * entry nobody reads (about a tenth of the relay's work per webhook, and
+ * of the WAL).  The keyed ones keep theirs; idem_outbox_stats counts the
+ * backlog through deliveries_due_by_destination and the dead letters,
+ * which are few, through deliveries_dead.
+ */
+DROP INDEX idempotency.deliveries_undelivered;
+CREATE INDEX deliveries_undelivered ON idempotency.deliveries (destination_id, key, seq)
+	WHERE key IS NOT NULL AND state OPERATOR(pg_catalog.<>) 'delivered';
+CREATE INDEX deliveries_dead ON idempotency.deliveries (destination_id)
+	WHERE state OPERATOR(pg_catalog.=) 'dead';
 
 -- (end of outbox section)

@@ -1946,7 +1946,7 @@ outbox_cleanup(int batch, void (*between) (void))
 		n = cleanup_batch(&cleanup_orphans_plan,
 						  "DELETE FROM idempotency.deliveries WHERE ctid = ANY (ARRAY("
 						  " SELECT d.ctid FROM idempotency.deliveries d"
-						  "  WHERE d.state <> 'delivered' AND d.next_attempt_at < $1"
+						  "  WHERE (d.state = 'pending' OR d.state = 'dead') AND d.next_attempt_at < $1"
 						  "    AND NOT EXISTS (SELECT FROM idempotency.destinations t"
 						  "                     WHERE t.id = d.destination_id)"
 						  "  LIMIT $2))",

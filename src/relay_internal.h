@@ -71,10 +71,13 @@ extern void relay_watch_cancel(void);
 extern void relay_unwatch_cancel(void);
 extern void relay_call_function(RelayItem *it, MemoryContext cxt);
 extern void relay_record_all(RelayItem **items, int n, RelayItem **missed);
+extern void relay_outcomes_held(RelayItem **items, int n, bool *held);
+extern void relay_abandon_interrupted(RelayItem **items, int n, MemoryContext cxt);
 
 /* relay_circuit.c: per-destination endpoint state */
 extern void relay_endpoint_states(RelayItem **items, int n);
 extern void relay_claim_probes(RelayItem **items, int n, TimestampTz now);
 extern void relay_disable(List *dests);
+extern bool relay_endpoint_deferred(void);
 
 #endif							/* IDEM_RELAY_INTERNAL_H */

@@ -110,6 +110,7 @@ static SPIPlanPtr dests_plan = NULL;
 static SPIPlanPtr lock_plan = NULL;
 static SPIPlanPtr renew_plan = NULL;
 static SPIPlanPtr record_plan = NULL;
+static SPIPlanPtr held_plan = NULL;
 static SPIPlanPtr next_due_plan = NULL;
 static SPIPlanPtr cleanup_deliveries_plan = NULL;
 static SPIPlanPtr cleanup_orphans_plan = NULL;
@@ -700,7 +701,8 @@ relay_takes(int max_events, RelayRooms *rooms, TimestampTz now, RelayShare **sha
 	values[2] = BoolGetDatum(rooms->limit);
 	values[3] = relay_array(ids, NULL, rooms->n, INT4OID);
 	values[4] = relay_array(active, NULL, rooms->n, INT4OID);
-	if (SPI_execute_plan(plan, values, NULL, true, 0) != SPI_OK_SELECT)
+	/* Not read-only: a new snapshot sees the outcomes this step recorded. */
+	if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_SELECT)
 		elog(ERROR, "could not read the outbox destinations' rooms");
 	if (SPI_processed == 0)
 		return 0;
@@ -1394,7 +1396,10 @@ relay_call_function(RelayItem *it, MemoryContext cxt)
  * Step 3: record every outcome in one statement, and append the pass's
  * counts to each destination's counters (a row of increments, which no
  * other relay waits for).  A failure is rescheduled with
- * exponential backoff and full jitter, or dead after max_attempts; a result
+ * exponential backoff and full jitter, or dead after max_attempts; an
+ * attempt that the endpoint rescheduled (a 429, or a Retry-After), one that
+ * failed while its circuit was open, and a probe (whose attempt was given
+ * back when claimed, and counts only if delivered) use up none; a result
  * is recorded only while the claim stands, a success even after another
  * relay took the delivery over.  Each row is found by key at the
  * statement's snapshot and updated by TID: a row that another relay updates
@@ -1407,7 +1412,7 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 {
 	Oid			argtypes[11] = {UUIDARRAYOID, INT4ARRAYOID, INT8ARRAYOID, TEXTARRAYOID,
 		TIMESTAMPTZARRAYOID, INT4ARRAYOID, TEXTARRAYOID, INT8ARRAYOID, BOOLARRAYOID,
-	BOOLARRAYOID, BOOLARRAYOID};
+	BOOLARRAYOID, INT4ARRAYOID};
 	Datum	   *cols[11];
 	bool	   *status_nulls = palloc(sizeof(bool) * n);
 	bool	   *error_nulls = palloc(sizeof(bool) * n);
@@ -1449,7 +1454,7 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 			state = "pending";
 			next_at = Max(it->retry_at, it->finished_at);
 		}
-		else if (it->attempts >= d->max_attempts)
+		else if (it->attempts >= d->max_attempts && !it->rescheduled)
 			state = "dead";
 		else if (it->retry_at != 0)
 		{
@@ -1481,7 +1486,12 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 		cols[8][m] = BoolGetDatum(it->interrupted);
 		cols[9][m] = BoolGetDatum(it->outcome == RELAY_RELEASED ||
 								  it->outcome == RELAY_ABANDONED);
-		cols[10][m] = BoolGetDatum(it->outcome == RELAY_FAILED && it->while_open);
+		/* What the attempt claimed counts: a probe's was given back already. */
+		if (it->outcome == RELAY_RELEASED || it->outcome == RELAY_ABANDONED ||
+			(it->outcome == RELAY_FAILED && (it->while_open || it->rescheduled)))
+			cols[10][m] = Int32GetDatum(it->probe ? 0 : -1);
+		else
+			cols[10][m] = Int32GetDatum(it->probe && it->outcome == RELAY_DELIVERED ? 1 : 0);
 		mine[m++] = it;
 	}
 	if (m == 0)
@@ -1491,9 +1501,9 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 						 "WITH r AS ("
 						 " SELECT * FROM unnest($1::uuid[], $2::int4[], $3::int8[], $4::text[],"
 						 "                      $5::timestamptz[], $6::int4[], $7::text[], $8::int8[],"
-						 "                      $9::bool[], $10::bool[], $11::bool[]) WITH ORDINALITY"
+						 "                      $9::bool[], $10::bool[], $11::int4[]) WITH ORDINALITY"
 						 "   AS r(event_id, destination_id, claims, state, at, status, error,"
-						 "        latency_us, interrupted, given_back, uncounted, n)),"
+						 "        latency_us, interrupted, given_back, counted, n)),"
 						 " found AS MATERIALIZED ("
 						 " SELECT r.*, r.given_back AND r.state = 'pending' AS released,"
 						 "        x.tid, 'pending'::text AS pending FROM r,"
@@ -1509,7 +1519,7 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 						 "        visible_until = CASE WHEN r.released AND r.interrupted"
 						 "                             THEN d.visible_until END,"
 						 "        delivered_at = CASE WHEN r.state = 'delivered' THEN r.at END,"
-						 "        attempts = d.attempts - (r.given_back OR r.uncounted)::int,"
+						 "        attempts = d.attempts + r.counted,"
 						 "        first_attempt_at = CASE WHEN r.released AND d.attempts = 1"
 						 "                                THEN NULL ELSE d.first_attempt_at END,"
 						 "        last_status = CASE WHEN r.released THEN d.last_status ELSE r.status END,"
@@ -1544,7 +1554,7 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 	values[7] = relay_array(cols[7], NULL, m, INT8OID);
 	values[8] = relay_array(cols[8], NULL, m, BOOLOID);
 	values[9] = relay_array(cols[9], NULL, m, BOOLOID);
-	values[10] = relay_array(cols[10], NULL, m, BOOLOID);
+	values[10] = relay_array(cols[10], NULL, m, INT4OID);
 	save_nestlevel = relay_plan_settings();
 	rc = SPI_execute_plan(plan, values, NULL, false, 0);
 	AtEOXact_GUC(true, save_nestlevel);
@@ -1562,6 +1572,53 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 }
 
 
+/*
+ * Which of the deliveries in items another transaction holds (held[i]):
+ * each row is locked FOR UPDATE SKIP LOCKED, so the outcomes of the others
+ * can be recorded without waiting, and those held left for later.  A row
+ * that is gone is not held (its outcome has nothing left to update).
+ */
+void
+relay_outcomes_held(RelayItem **items, int n, bool *held)
+{
+	Oid			argtypes[2] = {UUIDARRAYOID, INT4ARRAYOID};
+	Datum	   *ids = palloc(sizeof(Datum) * Max(n, 1));
+	Datum	   *dests = palloc(sizeof(Datum) * Max(n, 1));
+	Datum		values[2];
+	SPIPlanPtr	plan;
+	int			save_nestlevel;
+	int			rc;
+
+	for (int i = 0; i < n; i++)
+	{
+		ids[i] = UUIDPGetDatum(&items[i]->event_id);
+		dests[i] = Int32GetDatum(items[i]->dest_id);
+		held[i] = false;
+	}
+	if (n == 0)
+		return;
+	plan = relay_prepare(&held_plan,
+						 "SELECT r.n FROM unnest($1::uuid[], $2::int4[]) WITH ORDINALITY"
+						 "       AS r(event_id, destination_id, n),"
+						 "  LATERAL (SELECT d.ctid FROM idempotency.deliveries d"
+						 "            WHERE d.event_id = r.event_id AND d.destination_id = r.destination_id"
+						 "            LIMIT 1) e"
+						 "  LEFT JOIN LATERAL (SELECT d.ctid FROM idempotency.deliveries d"
+						 "            WHERE d.event_id = r.event_id AND d.destination_id = r.destination_id"
+						 "            LIMIT 1 FOR UPDATE SKIP LOCKED) l ON true"
+						 " WHERE l.ctid IS NULL",
+						 2, argtypes);
+	values[0] = relay_array(ids, NULL, n, UUIDOID);
+	values[1] = relay_array(dests, NULL, n, INT4OID);
+	save_nestlevel = relay_plan_settings();
+	rc = SPI_execute_plan(plan, values, NULL, false, 0);
+	AtEOXact_GUC(true, save_nestlevel);
+	if (rc != SPI_OK_SELECT)
+		elog(ERROR, "could not lock outbox deliveries");
+	for (uint64 i = 0; i < SPI_processed; i++)
+		held[DatumGetInt64(spi_value(SPI_tuptable->vals[i], 1, 0)) - 1] = true;
+}
+
 /* Record the outcomes of items, and again those of successes a race made us miss. */
 void
 relay_record_all(RelayItem **items, int n, RelayItem **missed)
@@ -1573,6 +1630,34 @@ relay_record_all(RelayItem **items, int n, RelayItem **missed)
 
 	for (int retry = 0; nmissed > 0 && retry < 2; retry++)
 		nmissed = relay_record(missed, nmissed, missed);
+}
+
+/*
+ * Claimed deliveries whose last allowed attempt was interrupted before its
+ * outcome was recorded (the relay died, or its transaction failed at
+ * commit): perhaps a poison event, dead without another attempt.  Called
+ * in the claiming transaction, before relay_claim_probes: a probe's attempt
+ * is given back when it is claimed, so an interrupted probe used none and
+ * never makes its delivery dead here.
+ */
+void
+relay_abandon_interrupted(RelayItem **items, int n, MemoryContext cxt)
+{
+	for (int i = 0; i < n; i++)
+	{
+		RelayItem  *it = items[i];
+		char		why[160];
+
+		if (it->dest == NULL || it->outcome != RELAY_PENDING || !it->interrupted ||
+			it->attempts <= it->dest->max_attempts)
+			continue;
+		snprintf(why, sizeof(why),
+				 "not attempted again: its last attempt (%d of max_attempts %d) was interrupted before its outcome was recorded",
+				 it->attempts - 1, it->dest->max_attempts);
+		relay_fail(it, cxt, 0, why);
+		it->outcome = RELAY_ABANDONED;
+		relay_release_chain(it);
+	}
 }
 
 /*
@@ -1638,6 +1723,7 @@ relay_pass(int max_events)
 		dests = relay_load_dests(passcxt);
 		for (int i = 0; i < n; i++)
 			items[i]->dest = relay_find_dest(dests, items[i]->dest_id);
+		relay_abandon_interrupted(items, n, passcxt);
 		relay_claim_probes(items, n, claimed_at);
 		relay_step_end(&step);
 		if (n == 0)
@@ -1659,23 +1745,6 @@ relay_pass(int max_events)
 				local_items[nlocal++] = it;
 			if (claimed_until == 0 || it->claimed_until < claimed_until)
 				claimed_until = it->claimed_until;
-
-			/*
-			 * Its last allowed attempt was interrupted before its outcome was
-			 * recorded (the relay died, or its transaction failed at commit):
-			 * perhaps a poison event, dead without another attempt.
-			 */
-			if (it->dest != NULL && it->interrupted && it->attempts > it->dest->max_attempts)
-			{
-				char		why[160];
-
-				snprintf(why, sizeof(why),
-						 "not attempted again: its last attempt (%d of max_attempts %d) was interrupted before its outcome was recorded",
-						 it->attempts - 1, it->dest->max_attempts);
-				relay_fail(it, passcxt, 0, why);
-				it->outcome = RELAY_ABANDONED;
-				relay_release_chain(it);
-			}
 		}
 
 		/*
@@ -1863,7 +1932,12 @@ relay_next_due_except(int32 *full, int nfull)
 	values[0] = TimestampTzGetDatum(GetCurrentTimestamp());
 	values[1] = relay_array(ids, NULL, nfull, INT4OID);
 	save_nestlevel = relay_plan_settings();
-	rc = SPI_execute_plan(plan, values, NULL, true, 1);
+	/*
+	 * Not read-only: the step's snapshot predates the outcomes and claims
+	 * this transaction recorded (a delivery just failed would still look
+	 * claimed until its visibility deadline).
+	 */
+	rc = SPI_execute_plan(plan, values, NULL, false, 1);
 	AtEOXact_GUC(true, save_nestlevel);
 	if (rc != SPI_OK_SELECT)
 		elog(ERROR, "could not read the outbox schedule");

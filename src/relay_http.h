@@ -92,6 +92,10 @@ typedef struct RelayItem
 	void	   *batch;			/* relay.c's loop: the claim it came with */
 	int64		retry_after_ms; /* http: a 429 or 503 asked for this delay, or -1 */
 	bool		while_open;		/* http: failed while its destination's circuit was open */
+	bool		rescheduled;	/* http: the endpoint rescheduled it (429, or
+								 * Retry-After): its attempt is not counted */
+	bool		probe;			/* http: a probe of an open circuit, its attempt
+								 * given back when claimed */
 	TimestampTz retry_at;		/* http: when to try again, if not by backoff (0) */
 
 	RelayOutcome outcome;

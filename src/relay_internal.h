@@ -75,6 +75,8 @@ extern void relay_watch_cancel(void);
 extern void relay_unwatch_cancel(void);
 extern void relay_call_function(RelayItem *it, MemoryContext cxt);
 extern void relay_record_all(RelayItem **items, int n, RelayItem **missed);
+extern void relay_outcomes_held(RelayItem **items, int n, bool *held);
+extern void relay_abandon_interrupted(RelayItem **items, int n, MemoryContext cxt);
 
 /* relay_inflight.c: chains in flight per destination, shared by the relay loops */
 #define RELAY_CLAIM_LOCK_CLASS	0x1DE3	/* advisory objsubid of the loops' claim lock */
@@ -87,5 +89,6 @@ extern void relay_inflight_withdraw(void);
 extern void relay_endpoint_states(RelayItem **items, int n);
 extern void relay_claim_probes(RelayItem **items, int n, TimestampTz now);
 extern void relay_disable(List *dests);
+extern bool relay_endpoint_deferred(void);
 
 #endif							/* IDEM_RELAY_INTERNAL_H */

@@ -22,7 +22,9 @@
 #include "miscadmin.h"
 #include "nodes/makefuncs.h"
 #include "pgstat.h"
+#include "utils/guc.h"
 #include "utils/memutils.h"
+#include "utils/resowner.h"
 #include "utils/timestamp.h"
 
 #include "outbox.h"
@@ -46,11 +48,18 @@
 #define RELAY_LOCAL_SLICE_MS	100
 
 /*
+ * The lock_timeout of the recording step: a row that another session holds
+ * (a delivery locked FOR UPDATE) makes it give up after this, and the
+ * outcomes are recorded at the next try, RELAY_LOOP_MIN_NAP_MS later.
+ */
+#define RELAY_RECORD_LOCK_TIMEOUT	"100ms"
+
+/*
  * The worker's relay loop (see relay.h): requests stay in flight from one
  * iteration to the next, and nothing waits for a whole batch.
  *
  * Each claim's memory (its deliveries, its copy of the destinations, the
- * requests' strings) is a RelayBatch, freed when the last of its webhooks
+ * requests' strings) is a RelayBatch, freed when the last of its deliveries
  * is recorded.  held lists the claimed webhooks whose outcome is not
  * recorded yet: the front of each chain is in flight, the rest of the chain
  * waits behind it (chain_held).  done lists the outcomes to record.  local
@@ -62,7 +71,7 @@
 typedef struct RelayBatch
 {
 	MemoryContext cxt;
-	int			live;			/* its webhooks in held */
+	int			live;			/* its deliveries in held, local and done */
 	uint64		dest_generation;	/* idem_stats_dest_generation() before the claim */
 } RelayBatch;
 
@@ -71,6 +80,7 @@ static struct
 	MemoryContext cxt;
 	MemoryContext itercxt;		/* an iteration's own memory, reset at its end */
 	bool		claim_needed;	/* something may be claimable: claim next time */
+	TimestampTz record_retry_at;	/* a lock made recording give up: not before */
 	TimestampTz due;			/* when something is due, as of the last claim */
 	RelayItem **held;
 	int			nheld;
@@ -110,6 +120,27 @@ relay_loop_release_batch(RelayItem *it)
 	}
 }
 
+/*
+ * An outcome to record joins done, which keeps its batch until it is
+ * recorded (a lock may hold that up for a few iterations, see
+ * relay_loop_record_in_step).
+ */
+static void
+relay_loop_push_done(RelayItem *it)
+{
+	relay_loop_push(&relay_loop.done, &relay_loop.ndone, &relay_loop.done_size, it);
+	((RelayBatch *) it->batch)->live++;
+}
+
+/* The outcomes in done are recorded, or forgotten: done lets their batches go. */
+static void
+relay_loop_clear_done(void)
+{
+	for (int i = 0; i < relay_loop.ndone; i++)
+		relay_loop_release_batch(relay_loop.done[i]);
+	relay_loop.ndone = 0;
+}
+
 /* Start a webhook's request, its strings in its batch's memory. */
 static void
 relay_loop_start(RelayItem *it)
@@ -128,7 +159,7 @@ relay_loop_start(RelayItem *it)
 static void
 relay_loop_finished(RelayItem *it)
 {
-	relay_loop_push(&relay_loop.done, &relay_loop.ndone, &relay_loop.done_size, it);
+	relay_loop_push_done(it);
 	/*
 	 * The next of its chain goes, unless a destination was paused, altered,
 	 * dropped or disabled since the claim: then the rest of the chain is
@@ -146,7 +177,7 @@ relay_loop_finished(RelayItem *it)
 		if (next->outcome == RELAY_PENDING)
 		{
 			next->outcome = RELAY_RELEASED;
-			relay_loop_push(&relay_loop.done, &relay_loop.ndone, &relay_loop.done_size, next);
+			relay_loop_push_done(next);
 		}
 }
 
@@ -169,53 +200,161 @@ relay_loop_compact(void)
 }
 
 /*
- * Record the outcomes in done, in the current step; disable the
- * destinations that answered 410.  Returns the deliveries attempted.
+ * Record the outcomes of items (and the endpoint states kept for later) and
+ * disable the destinations that answered 410, in a subtransaction whose
+ * lock_timeout is RELAY_RECORD_LOCK_TIMEOUT.  Returns false, with nothing
+ * recorded, if a lock another session holds made it give up.
  */
-static int64
-relay_loop_record_in_step(void)
+static bool
+relay_loop_try_record(RelayItem **items, int n)
 {
-	int64		attempted = 0;
-	int			n = relay_loop.ndone;
+	MemoryContext cxt = CurrentMemoryContext;
+	ResourceOwner owner = CurrentResourceOwner;
+	volatile bool recorded = true;
 
-	relay_record_all(relay_loop.done, n, palloc(sizeof(RelayItem *) * Max(n, 1)));
-	for (int i = 0; i < n; i++)
+	BeginInternalSubTransaction(NULL);
+	MemoryContextSwitchTo(cxt);
+	PG_TRY();
 	{
-		RelayItem  *it = relay_loop.done[i];
+		int			save_nestlevel = NewGUCNestLevel();
 
-		if (it->dest != NULL && it->dest->disable_reason != NULL)
-		{
-			List	   *one = list_make1(it->dest);
-
-			relay_disable(one);
-			it->dest->disable_reason = NULL;
-		}
-		if (it->outcome == RELAY_DELIVERED || it->outcome == RELAY_FAILED)
-			attempted++;
+		(void) set_config_option("lock_timeout", RELAY_RECORD_LOCK_TIMEOUT, PGC_USERSET,
+								 PGC_S_SESSION, GUC_ACTION_SAVE, true, 0, false);
+		relay_record_all(items, n, palloc(sizeof(RelayItem *) * Max(n, 1)));
+		for (int i = 0; i < n; i++)
+			if (items[i]->dest != NULL && items[i]->dest->disable_reason != NULL)
+				relay_disable(list_make1(items[i]->dest));
+		AtEOXact_GUC(true, save_nestlevel);
+		ReleaseCurrentSubTransaction();
+		MemoryContextSwitchTo(cxt);
+		CurrentResourceOwner = owner;
 	}
-	relay_loop.ndone = 0;
-	return attempted;
+	PG_CATCH();
+	{
+		ErrorData  *edata;
+
+		MemoryContextSwitchTo(cxt);
+		edata = CopyErrorData();
+		if (edata->sqlerrcode != ERRCODE_LOCK_NOT_AVAILABLE)
+			PG_RE_THROW();
+		FlushErrorState();
+		RollbackAndReleaseCurrentSubTransaction();
+		MemoryContextSwitchTo(cxt);
+		CurrentResourceOwner = owner;
+		ereport(DEBUG1,
+				(errmsg("outbox relay: %d outcomes not recorded yet: %s", n, edata->message)));
+		FreeErrorData(edata);
+		recorded = false;
+	}
+	PG_END_TRY();
+	return recorded;
+}
+
+/*
+ * Record the outcomes in done, in the current step; disable the
+ * destinations that answered 410; write the endpoint states kept for later
+ * (relay_endpoint_deferred).  A row that another session holds (a delivery
+ * locked FOR UPDATE) never stalls the loop: the statement gives up after
+ * RELAY_RECORD_LOCK_TIMEOUT, then the outcomes whose rows are free are
+ * recorded and those held stay in done, tried again RELAY_LOOP_MIN_NAP_MS
+ * later (nothing lost; their claims keep their deliveries from being
+ * claimed again meanwhile, see relay_loop_done_expired).  Returns false if
+ * some outcome was left so; *attempted grows by the deliveries attempted.
+ */
+static bool
+relay_loop_record_in_step(int64 *attempted)
+{
+	int			n = relay_loop.ndone;
+	RelayItem **items = relay_loop.done;
+	RelayItem **kept = NULL;
+	int			nkept = 0;
+	int			nrecorded = n;
+
+	if (relay_loop.record_retry_at != 0 && GetCurrentTimestamp() < relay_loop.record_retry_at)
+		return false;
+	relay_loop.record_retry_at = 0;
+	if (!relay_loop_try_record(items, n))
+	{
+		bool	   *held = palloc(sizeof(bool) * Max(n, 1));
+		RelayItem **free_items = palloc(sizeof(RelayItem *) * Max(n, 1));
+		int			nfree = 0;
+
+		/* Those whose rows are free now (locked here), and those held. */
+		kept = palloc(sizeof(RelayItem *) * Max(n, 1));
+		relay_outcomes_held(items, n, held);
+		for (int i = 0; i < n; i++)
+		{
+			if (held[i])
+				kept[nkept++] = items[i];
+			else
+				free_items[nfree++] = items[i];
+		}
+		if (nkept == 0 || !relay_loop_try_record(free_items, nfree))
+		{
+			/* Something else held it up: all of it next time. */
+			kept = items;
+			nkept = n;
+			nfree = 0;
+		}
+		items = free_items;
+		nrecorded = nfree;
+		relay_loop.record_retry_at =
+			TimestampTzPlusMilliseconds(GetCurrentTimestamp(), RELAY_LOOP_MIN_NAP_MS);
+	}
+
+	for (int i = 0; i < nrecorded; i++)
+	{
+		RelayItem  *it = items[i];
+
+		if (it->dest != NULL)
+			it->dest->disable_reason = NULL;
+		if (it->outcome == RELAY_DELIVERED || it->outcome == RELAY_FAILED)
+			(*attempted)++;
+		relay_loop_release_batch(it);
+	}
+	/* What is left: done keeps it (and its batch). */
+	if (kept != relay_loop.done)
+		for (int i = 0; i < nkept; i++)
+			relay_loop.done[i] = kept[i];
+	relay_loop.ndone = nkept;
+	return nkept == 0;
+}
+
+/*
+ * Whether an outcome in done (not recorded: a lock held it up) has a claim
+ * that ran out by now: the loop's claim at now could take its delivery
+ * again, and must wait until the outcome is recorded.
+ */
+static bool
+relay_loop_done_expired(TimestampTz now)
+{
+	for (int i = 0; i < relay_loop.ndone; i++)
+		if (relay_loop.done[i]->claimed_until <= now)
+			return true;
+	return false;
 }
 
 /*
  * Record the outcomes in done, in one short transaction for all that
- * completed together.  If the outbox is gone, so are the deliveries.
+ * completed together, with the endpoint states kept for later.  If the
+ * outbox is gone, so are the deliveries.
  */
 static int64
 relay_loop_record(void)
 {
 	RelayStep	step;
-	int64		attempted;
+	int64		attempted = 0;
 
-	if (relay_loop.ndone == 0)
+	if ((relay_loop.ndone == 0 && !relay_endpoint_deferred()) ||
+		GetCurrentTimestamp() < relay_loop.record_retry_at)
 		return 0;
 	step.own_xact = true;
 	if (!relay_step_begin(&step, "idempotency relay: record", false))
 	{
-		relay_loop.ndone = 0;
+		relay_loop_clear_done();
 		return 0;
 	}
-	attempted = relay_loop_record_in_step();
+	(void) relay_loop_record_in_step(&attempted);
 	relay_step_end(&step);
 	return attempted;
 }
@@ -321,8 +460,13 @@ relay_loop_claim(int max_events, int64 *attempted, TimestampTz *due, bool *backl
 	step.own_xact = true;
 	if (!relay_step_begin(&step, "idempotency relay: claim", true))
 		return -1;
-	if (relay_loop.ndone > 0)
-		*attempted += relay_loop_record_in_step();
+	/* Outcomes first; a claim could take again one not recorded whose claim ran out. */
+	if ((relay_loop.ndone > 0 || relay_endpoint_deferred()) &&
+		!relay_loop_record_in_step(attempted) && relay_loop_done_expired(now))
+	{
+		relay_step_end(&step);
+		return -1;
+	}
 	if (!relay_schema_current(true))
 	{
 		/*
@@ -352,28 +496,11 @@ relay_loop_claim(int max_events, int64 *attempted, TimestampTz *due, bool *backl
 			items[i]->dest = relay_find_dest(dests, items[i]->dest_id);
 			items[i]->batch = batch;
 		}
+		relay_abandon_interrupted(items, n, batch->cxt);
 		relay_claim_probes(items, n, now);
 	}
 
 	local = MemoryContextAlloc(batch->cxt, sizeof(RelayItem *) * Max(n, 1));
-	for (int i = 0; i < n; i++)
-	{
-		RelayItem  *it = items[i];
-
-		/* Its last allowed attempt was interrupted: dead, not attempted again. */
-		if (it->dest != NULL && it->outcome == RELAY_PENDING && it->interrupted &&
-			it->attempts > it->dest->max_attempts)
-		{
-			char		why[160];
-
-			snprintf(why, sizeof(why),
-					 "not attempted again: its last attempt (%d of max_attempts %d) was interrupted before its outcome was recorded",
-					 it->attempts - 1, it->dest->max_attempts);
-			relay_fail(it, batch->cxt, 0, why);
-			it->outcome = RELAY_ABANDONED;
-			relay_release_chain(it);
-		}
-	}
 	for (int i = 0; i < n; i++)
 	{
 		RelayItem  *it = items[i];
@@ -456,8 +583,7 @@ relay_loop_renew_for(int64 slice_ms)
 	relay_renew_claims(items, n, &lease);
 	for (int i = 0; i < relay_loop.nheld; i++)
 		if (relay_loop.held[i]->outcome == RELAY_RELEASED)
-			relay_loop_push(&relay_loop.done, &relay_loop.ndone, &relay_loop.done_size,
-							relay_loop.held[i]);
+			relay_loop_push_done(relay_loop.held[i]);
 }
 
 /*
@@ -574,7 +700,7 @@ relay_loop_abandon(void)
 	for (int i = 0; i < relay_loop.nlocal; i++)
 		relay_loop_release_batch(relay_loop.local[i]);
 	relay_loop.nlocal = 0;
-	relay_loop.ndone = 0;
+	relay_loop_clear_done();
 	relay_loop_compact();
 	relay_inflight_withdraw();
 }
@@ -613,6 +739,7 @@ relay_loop_iteration(int max_events, TimestampTz *wake_at, bool *full, bool *bac
 	TimestampTz renew_at;
 	int			claimed = 0;
 	bool		claim_tried = false;
+	bool		held_up;
 
 	/* (a) The requests that completed, recorded together (with the claim). */
 	finished = http_async_collect();
@@ -633,8 +760,7 @@ relay_loop_iteration(int max_events, TimestampTz *wake_at, bool *full, bool *bac
 		relay_renew_claims(relay_loop.held, relay_loop.nheld, &lease);
 		for (int i = 0; i < relay_loop.nheld; i++)
 			if (relay_loop.held[i]->outcome == RELAY_RELEASED)
-				relay_loop_push(&relay_loop.done, &relay_loop.ndone, &relay_loop.done_size,
-								relay_loop.held[i]);
+				relay_loop_push_done(relay_loop.held[i]);
 		renew_at = 0;
 	}
 
@@ -701,9 +827,11 @@ relay_loop_iteration(int max_events, TimestampTz *wake_at, bool *full, bool *bac
 	*full = max_events > 0 && claimed >= max_events;
 
 	/* (d) When to come back, besides a socket, a timer of libcurl or the latch. */
+	now = GetCurrentTimestamp();
+	held_up = relay_loop.ndone > 0 && relay_loop.record_retry_at > now;
 	if (max_events == 0)
 		*wake_at = renew_at;
-	else if (*full || relay_loop.claim_needed)
+	else if (*full || (relay_loop.claim_needed && !held_up))
 		*wake_at = GetCurrentTimestamp();
 	else
 	{
@@ -714,6 +842,15 @@ relay_loop_iteration(int max_events, TimestampTz *wake_at, bool *full, bool *bac
 				TimestampTzPlusMilliseconds(GetCurrentTimestamp(), RELAY_LOOP_MIN_NAP_MS);
 		if (renew_at != 0 && (*wake_at == 0 || renew_at < *wake_at))
 			*wake_at = renew_at;
+	}
+	/* Outcomes or endpoint states a lock held up: tried again a little later. */
+	if (relay_loop.ndone > 0 || relay_endpoint_deferred())
+	{
+		TimestampTz again = held_up ? relay_loop.record_retry_at :
+			TimestampTzPlusMilliseconds(now, RELAY_LOOP_MIN_NAP_MS);
+
+		if (*wake_at == 0 || again < *wake_at)
+			*wake_at = again;
 	}
 	return attempted;
 }

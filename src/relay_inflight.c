@@ -13,10 +13,12 @@
  * against the destination's room as well as its own.
  *
  * Claims of a database's loops are serialised by a transaction-level lock
- * (relay_inflight_lock, RELAY_CLAIM_LOCK_CLASS) held from before the rooms
- * are read until the claim, with its new chains published, commits: two
- * loops never both see the same room free.  A claim is a short statement
- * that never waits for rows (SKIP LOCKED), so the wait is short.
+ * (relay_inflight_try_lock, RELAY_CLAIM_LOCK_CLASS) held from before the
+ * rooms are read until the claim, with its new chains published, commits:
+ * two loops never both see the same room free.  A loop never waits for it
+ * (a claim can wait for a row that some session holds, and the other loops
+ * must go on collecting, recording and renewing meanwhile): one that finds
+ * it taken claims a little later.
  *
  * A loop publishes its counts again when they change (as its requests
  * complete), withdraws them all when it abandons its requests after an
@@ -62,6 +64,9 @@ typedef struct InflightEntry
 
 static HTAB *inflight_table = NULL;
 static LWLock *inflight_lock = NULL;
+
+/* relay_inflight_add_others' copy of the table's entries, read under the LWLock. */
+static InflightEntry *others_copy = NULL;
 
 static shmem_request_hook_type prev_shmem_request_hook = NULL;
 static shmem_startup_hook_type prev_shmem_startup_hook = NULL;
@@ -116,15 +121,16 @@ RelayInflightInit(void)
 
 /*
  * Serialise this claim with the other relay loops' claims in this database,
- * until the end of the transaction.
+ * until the end of the transaction; false, without waiting, if another
+ * loop is claiming.
  */
-void
-relay_inflight_lock(void)
+bool
+relay_inflight_try_lock(void)
 {
 	LOCKTAG		tag;
 
 	SET_LOCKTAG_ADVISORY(tag, MyDatabaseId, 0, 0, RELAY_CLAIM_LOCK_CLASS);
-	(void) LockAcquire(&tag, ExclusiveLock, false, false);
+	return LockAcquire(&tag, ExclusiveLock, false, true) != LOCKACQUIRE_NOT_AVAIL;
 }
 
 /* The chains this process has published for destination id. */
@@ -146,22 +152,28 @@ relay_inflight_add_others(RelayRooms *rooms)
 {
 	HASH_SEQ_STATUS status;
 	InflightEntry *e;
+	int			n = 0;
 
 	if (inflight_table == NULL)
 		return;
+	/* Copied under the LWLock, counted after it: nothing may fail under it. */
+	if (others_copy == NULL)
+		others_copy = MemoryContextAlloc(TopMemoryContext,
+										 sizeof(InflightEntry) * RELAY_INFLIGHT_MAX);
 	LWLockAcquire(inflight_lock, LW_SHARED);
 	hash_seq_init(&status, inflight_table);
 	while ((e = hash_seq_search(&status)) != NULL)
-	{
-		int32		others;
-
-		if (e->key.dbid != MyDatabaseId)
-			continue;
-		others = e->chains - relay_inflight_mine(e->key.dest_id);
-		for (int32 k = 0; k < others; k++)
-			relay_rooms_count(rooms, e->key.dest_id);
-	}
+		if (e->key.dbid == MyDatabaseId && n < RELAY_INFLIGHT_MAX)
+			others_copy[n++] = *e;
 	LWLockRelease(inflight_lock);
+
+	for (int i = 0; i < n; i++)
+	{
+		int32		others = others_copy[i].chains - relay_inflight_mine(others_copy[i].key.dest_id);
+
+		for (int32 k = 0; k < others; k++)
+			relay_rooms_count(rooms, others_copy[i].key.dest_id);
+	}
 }
 
 /*
@@ -257,7 +269,7 @@ relay_inflight_publish(RelayRooms *held)
 void
 relay_inflight_withdraw(void)
 {
-	if (inflight_table == NULL || npublished == 0)
+	if (inflight_table == NULL || npublished == 0 || LWLockHeldByMe(inflight_lock))
 		return;
 	LWLockAcquire(inflight_lock, LW_EXCLUSIVE);
 	for (int i = 0; i < npublished; i++)

@@ -80,7 +80,7 @@ extern void relay_abandon_interrupted(RelayItem **items, int n, MemoryContext cx
 
 /* relay_inflight.c: chains in flight per destination, shared by the relay loops */
 #define RELAY_CLAIM_LOCK_CLASS	0x1DE3	/* advisory objsubid of the loops' claim lock */
-extern void relay_inflight_lock(void);
+extern bool relay_inflight_try_lock(void);
 extern void relay_inflight_add_others(RelayRooms *rooms);
 extern void relay_inflight_publish(RelayRooms *held);
 extern void relay_inflight_withdraw(void);

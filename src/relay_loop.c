@@ -47,6 +47,9 @@
  */
 #define RELAY_LOCAL_SLICE_MS	100
 
+/* How soon a loop that found another loop claiming tries again. */
+#define RELAY_CLAIM_RETRY_MS	10
+
 /*
  * The lock_timeout of the recording step: a row that another session holds
  * (a delivery locked FOR UPDATE) makes it give up after this, and the
@@ -436,7 +439,8 @@ relay_loop_next_due(void)
  * committed; function and notify deliveries join local, to be made in
  * slices (relay_loop_local_slice).  Returns the deliveries claimed,
  * or -1 if the claim could not begin (the deliveries are locked, or the
- * outbox is gone), with done left for relay_loop_record.  *attempted grows
+ * outbox is gone), with done left for relay_loop_record, or -2 if another
+ * relay loop of the database is claiming (done recorded).  *attempted grows
  * by the deliveries attempted; *due becomes when the loop next has work to
  * claim, *backlog whether some destination had more due than it could
  * take, *local whether in-database deliveries were claimed.
@@ -483,7 +487,13 @@ relay_loop_claim(int max_events, int64 *attempted, TimestampTz *due, bool *backl
 	batch->cxt = AllocSetContextCreate(relay_loop.cxt, "outbox relay claim",
 									   ALLOCSET_DEFAULT_SIZES);
 	/* Rooms count the chains every relay loop of the database holds. */
-	relay_inflight_lock();
+	if (!relay_inflight_try_lock())
+	{
+		MemoryContextDelete(batch->cxt);
+		pfree(batch);
+		relay_step_end(&step);
+		return -2;				/* another loop is claiming: a little later */
+	}
 	(void) relay_loop_active(&rooms);
 	relay_inflight_add_others(&rooms);
 	n = relay_claim(max_events, 1, &rooms, now, batch->cxt, &items, backlog);
@@ -773,7 +783,14 @@ relay_loop_iteration(int max_events, TimestampTz *wake_at, bool *full, bool *bac
 		relay_loop.claim_needed = false;
 		claimed = relay_loop_claim(max_events, &attempted, &relay_loop.due, backlog,
 								   &local_claimed);
-		if (claimed < 0)
+		if (claimed == -2)
+		{
+			/* Another loop is claiming: come back shortly. */
+			claimed = 0;
+			relay_loop.due = TimestampTzPlusMilliseconds(GetCurrentTimestamp(),
+														 RELAY_CLAIM_RETRY_MS);
+		}
+		else if (claimed < 0)
 		{
 			claimed = 0;
 			relay_loop.claim_needed = true;

@@ -618,6 +618,8 @@ relay_endpoint_states(RelayItem **items, int n)
 		whys[r] = why ? CStringGetTextDatum(why) : (Datum) 0;
 		why_nulls[r] = (why == NULL);
 		if (why != NULL)
+			outbox_dests_changed_at_commit();	/* chains claimed for it stop */
+		if (why != NULL)
 			ereport(LOG,
 					(errmsg("outbox destination \"%s\" disabled: it has failed since %s, longer than its disable_after",
 							d->name, timestamptz_to_str(st.failing_since)),

@@ -164,11 +164,10 @@ relay_prepare(SPIPlanPtr *plan, const char *sql, int nargs, Oid *argtypes)
  * sorts the whole backlog on every pass, or reads it once per delivery of
  * the batch.  The statements are shaped for that (see CLAIM_UPDATE); these
  * settings take away the planner's remaining ways around it: no sequential
- * scans, no sorts, full or incremental (the due deliveries come from
- * deliveries_due in next_attempt_at order, and the scan stops after
- * max_events of them; each destination's earliest from
- * deliveries_due_by_destination), no bitmap scans.  A large backlog also makes the estimates cross
- * jit_above_cost, and compiling would cost more than these short statements
+ * scans, no sorts, full or incremental (each destination's due deliveries
+ * come from deliveries_due_by_destination in next_attempt_at order, and
+ * the scan stops after its share of them), no bitmap scans.  A large
+ * backlog also makes the estimates cross jit_above_cost, and compiling would cost more than these short statements
  * run: no JIT.  Destination functions never run under these settings.
  */
 int
@@ -605,14 +604,22 @@ relay_rooms_count(RelayRooms *rooms, int32 id)
 	rooms->active[j]++;
 }
 
-/* Count the 'http' heads just claimed (items[first .. n - 1]) against rooms. */
+/*
+ * Count the heads just claimed (items[first .. n - 1]) against rooms: the
+ * 'http' ones per destination and in all, the others against the loop's
+ * room for in-database deliveries.
+ */
 void
 relay_rooms_take(RelayRooms *rooms, RelayItem **items, int first, int n)
 {
 	for (int i = first; i < n; i++)
 	{
 		if (!items[i]->is_http)
+		{
+			if (rooms->limit)
+				rooms->local_room--;
 			continue;
+		}
 		rooms->http_room--;
 		relay_rooms_count(rooms, items[i]->dest_id);
 	}
@@ -980,14 +987,10 @@ relay_claim(int max_events, int waves, RelayRooms *rooms, TimestampTz now,
 	{
 		/* In the loop, in-database followers within its room for them. */
 		int			nheads = n;
-		int			local_heads = 0;
 
-		for (int i = 0; i < nheads; i++)
-			if (!(*items)[i]->is_http)
-				local_heads++;
 		n = relay_claim_followers(max_events - n, waves, now, cxt, *items, 0, nheads, n,
 								  HEADS_HTTP);
-		n = relay_claim_followers(Min(max_events - n, rooms->local_room - local_heads),
+		n = relay_claim_followers(Min(max_events - n, rooms->local_room),
 								  waves, now, cxt, *items, 0, nheads, n, HEADS_LOCAL);
 	}
 	AtEOXact_GUC(true, save_nestlevel);
@@ -1464,9 +1467,16 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 		}
 		else
 		{
-			/* Full jitter: uniform in [0, min(cap, base * 2^(attempts-1))]. */
+			/*
+			 * Full jitter: uniform in [0, min(cap, base * 2^(attempts-1))].
+			 * A 429 without Retry-After uses up no attempt: its window grows
+			 * with the claims of the delivery instead, which every attempt
+			 * counts, so that an endpoint answering 429 is asked less and
+			 * less often.
+			 */
+			int64		tries = it->rescheduled ? Max(it->claim, 1) : it->attempts;
 			double		window = (double) d->backoff_base_ms *
-				pow(2.0, (double) Min(it->attempts - 1, 60));
+				pow(2.0, (double) Min(tries - 1, 60));
 
 			if (window > (double) d->backoff_cap_ms)
 				window = (double) d->backoff_cap_ms;

@@ -179,6 +179,24 @@ is(q1(q{SELECT circuit || ' ' || consecutive_failures || ' ' || (failing_since I
 is(scalar(grep { $_->{what} eq 'answered' } $sink_d->entries), 2,
 	'D: without another request');
 
-$_->stop for ($sink_a, $sink_b, $sink_c, $sink_d);
+# ---- E. A plain 429 uses up no attempt, but it is asked less and less
+# often: its backoff grows with the times the delivery was tried (with
+# backoff_base 200 ms, 12 tries within 4 s need the random delays drawn
+# from windows of 0.2 s to 205 s to be tiny; with a backoff that did not
+# grow, they came within about 2 s).
+my $sink_e = new_sink();
+$sink_e->set_mode('429');
+create_dest('slowing', $sink_e, '{"backoff_base": 0.2, "disable_after": "1h"}');
+q1(q{SELECT idem_publish('slowing.x', '{}')});
+my $first = time();
+sleep 0.1 until scalar(grep { $_->{what} eq 'answered' } $sink_e->entries) >= 1 || time() > $first + 60;
+sleep 4;
+my $tries = scalar(grep { $_->{what} eq 'answered' } $sink_e->entries);
+note("E: requests answered 429 in the first 4 s: $tries");
+cmp_ok($tries, '<', 12, 'E: a plain 429 backs off exponentially');
+is(q1(q{SELECT d.attempts FROM idempotency.deliveries d JOIN idempotency.destinations t
+		 ON t.id = d.destination_id WHERE t.name = 'slowing'}), '0', 'E: and uses up no attempt');
+
+$_->stop for ($sink_a, $sink_b, $sink_c, $sink_d, $sink_e);
 $node->stop;
 done_testing();

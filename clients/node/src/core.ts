@@ -1,0 +1,337 @@
+// The framework-independent part: validate the key, claim it, answer
+// replays and conflicts, and store (or give up) the handler's response in the
+// claim's transaction.
+
+/** The part of a pg.Pool the middleware uses. */
+export interface PoolLike {
+  connect(): Promise<PoolClientLike>;
+}
+
+/** The part of a pg.PoolClient the middleware uses. */
+export interface PoolClientLike {
+  query(text: string, values?: unknown[]): Promise<{ rows: any[]; rowCount: number | null }>;
+  release(destroy?: Error | boolean): void;
+}
+
+/** A client bound to the request's transaction; refuses queries once the request is finished. */
+export interface TransactionClient {
+  query<R = any>(text: string, values?: unknown[]): Promise<{ rows: R[]; rowCount: number | null }>;
+}
+
+/** What the middleware needs to know about a request, whatever the framework. */
+export interface RequestInfo {
+  method: string;
+  /** The route pattern, e.g. "/payments/:id/capture"; the path when no route matched yet. */
+  route: string;
+  headers: Record<string, string | string[] | undefined>;
+  body: unknown;
+  params: Record<string, string>;
+}
+
+export interface IdempotencyOptions<Req = any> {
+  /** A pg.Pool (or anything with connect()) of a database with the idempotency extension. */
+  pool: PoolLike;
+  /** The authenticated principal (tenant, user): part of the default scope. Never take it from the body. */
+  principal?: (req: Req) => string | undefined | null;
+  /** The scope of the key. Default: "<principal>:<METHOD> <route pattern>". */
+  scope?: (req: Req, info: RequestInfo) => string;
+  /** What identifies the request besides its key. Default: the JSON body, with the path parameters if there are any. */
+  fingerprint?: (req: Req, info: RequestInfo) => unknown;
+  /** Answer 400 when the header is missing. Default true. */
+  required?: boolean;
+  /** Methods the middleware acts on; others pass through. Default POST and PATCH. */
+  methods?: string[];
+  /** How long the response is kept (a PostgreSQL interval, e.g. "2 days"). Default: idempotency.default_ttl. */
+  ttl?: string;
+  /** Multi-phase handlers: the lease of the operation (e.g. "30 seconds"); see Idempotency.phase(). */
+  lease?: string;
+  /** The request header. Default "Idempotency-Key". */
+  header?: string;
+}
+
+/** What a handler finds on req.idempotency. */
+export interface Idempotency {
+  readonly scope: string;
+  readonly key: string;
+  /** Bound to the claim's transaction (without a lease): its writes commit with the stored response. */
+  readonly client: TransactionClient;
+  /** The fencing token (with a lease), 1 without. */
+  readonly token: string;
+  /** With a lease: where a taken-over operation had got to (null: from the start). */
+  readonly recoveryPoint: string | null;
+  /** With a lease: run one phase in a transaction of its own that records recoveryPoint with its writes. */
+  phase<T>(recoveryPoint: string, work: (client: TransactionClient) => Promise<T>): Promise<T>;
+  /** With a lease: renew it for lease (an interval), returns when it now ends. */
+  extend(lease?: string): Promise<Date>;
+  /** The key to send to an external provider for one step: the same for every retry and owner. */
+  downstreamKey(label: string): Promise<string>;
+}
+
+/** A complete HTTP answer. */
+export interface HttpAnswer {
+  status: number;
+  headers: Record<string, string>;
+  /** Serialized body, or null for none. */
+  body: string | null;
+}
+
+export const REPLAYED_HEADER = "Idempotent-Replayed";
+
+const MAX_KEY_BYTES = 255;
+
+/** An RFC 9457 problem answer. */
+export function problem(status: number, title: string, detail: string,
+                        extraHeaders: Record<string, string> = {}): HttpAnswer {
+  return {
+    status,
+    headers: { "content-type": "application/problem+json", ...extraHeaders },
+    body: JSON.stringify({ type: "about:blank", title, status, detail }),
+  };
+}
+
+/**
+ * The key from the header value: a bare token (as Stripe sends it) or an RFC
+ * 8941 sf-string (as the IETF draft writes it); 1 to 255 printable ASCII
+ * characters. undefined: absent; null: malformed.
+ */
+export function parseKey(raw: string | string[] | undefined): string | undefined | null {
+  if (raw === undefined) return undefined;
+  if (Array.isArray(raw)) return raw.length === 1 ? parseKey(raw[0]) : null;
+  let key = raw.trim();
+  if (key.length >= 2 && key.startsWith('"') && key.endsWith('"')) key = key.slice(1, -1);
+  if (key.length === 0 || key.length > MAX_KEY_BYTES) return null;
+  if (!/^[\x21-\x7e]+$/.test(key)) return null;
+  return key;
+}
+
+// Headers not stored with a response: hop-by-hop, per connection, or secret.
+const UNSTORED_HEADERS = new Set([
+  "connection", "keep-alive", "transfer-encoding", "content-length", "date",
+  "set-cookie", "upgrade", "proxy-connection", REPLAYED_HEADER.toLowerCase(),
+]);
+
+/** The headers of a response worth storing, as strings. */
+export function storableHeaders(headers: Record<string, unknown>): Record<string, string> {
+  const out: Record<string, string> = {};
+  for (const [name, value] of Object.entries(headers)) {
+    const lower = name.toLowerCase();
+    if (value === undefined || UNSTORED_HEADERS.has(lower)) continue;
+    out[lower] = Array.isArray(value) ? value.join(", ") : String(value);
+  }
+  return out;
+}
+
+function isJsonType(contentType: string | undefined): boolean {
+  return contentType !== undefined && /^application\/([a-z0-9.+-]*\+)?json\b/i.test(contentType);
+}
+
+/** The body as stored: parsed JSON for a JSON content type, else the text; null when empty. */
+export function bodyToStore(headers: Record<string, string>, body: string | null): unknown {
+  if (body === null || body === "") return null;
+  if (isJsonType(headers["content-type"])) {
+    try {
+      return JSON.parse(body);
+    } catch {
+      // Not JSON after all: stored as text, replayed as such.
+      headers["content-type"] = "text/plain; charset=utf-8";
+    }
+  }
+  return body;
+}
+
+/** A stored response as an HTTP answer marked as a replay. */
+export function replayAnswer(status: number, headers: Record<string, string> | null, body: unknown): HttpAnswer {
+  const h: Record<string, string> = { ...(headers ?? {}) };
+  h[REPLAYED_HEADER.toLowerCase()] = "true";
+  let text: string | null;
+  if (body === null || body === undefined) text = null;
+  else if (typeof body === "string" && !isJsonType(h["content-type"])) text = body;
+  else text = JSON.stringify(body);
+  return { status, headers: h, body: text };
+}
+
+export type Begin =
+  | { kind: "pass" }
+  | { kind: "answer"; answer: HttpAnswer }
+  | { kind: "claimed"; session: Session };
+
+function defaultFingerprint(info: RequestInfo): unknown {
+  const body = info.body === undefined ? null : info.body;
+  return Object.keys(info.params).length > 0 ? { params: info.params, body } : body;
+}
+
+/** Claim the request's key, or say how to answer it instead. */
+export async function begin<Req>(options: IdempotencyOptions<Req>, req: Req, info: RequestInfo): Promise<Begin> {
+  const methods = (options.methods ?? ["POST", "PATCH"]).map((m) => m.toUpperCase());
+  if (!methods.includes(info.method.toUpperCase())) return { kind: "pass" };
+  const headerName = (options.header ?? "Idempotency-Key").toLowerCase();
+  const key = parseKey(info.headers[headerName]);
+  if (key === undefined) {
+    if (options.required === false) return { kind: "pass" };
+    return {
+      kind: "answer",
+      answer: problem(400, "Idempotency-Key is missing",
+        `This operation requires an ${options.header ?? "Idempotency-Key"} header: one unique key per intent, resent on every retry.`),
+    };
+  }
+  if (key === null)
+    return {
+      kind: "answer",
+      answer: problem(400, "Idempotency-Key is malformed",
+        "An idempotency key is 1 to 255 printable ASCII characters, bare or as a quoted string."),
+    };
+
+  const principal = options.principal?.(req);
+  const scope = options.scope
+    ? options.scope(req, info)
+    : `${principal ? `${principal}:` : ""}${info.method.toUpperCase()} ${info.route}`;
+  const fingerprint = options.fingerprint ? options.fingerprint(req, info) : defaultFingerprint(info);
+
+  const client = await options.pool.connect();
+  let row: any;
+  try {
+    await client.query("BEGIN");
+    const result = await client.query(
+      `SELECT outcome, status, headers, body, retry_after, token::text AS token, recovery_point
+         FROM idem_claim($1, $2, $3::jsonb, $4::interval, $5::interval)`,
+      [scope, key, JSON.stringify(fingerprint ?? null), options.ttl ?? null, options.lease ?? null]);
+    row = result.rows[0];
+    if (row.outcome !== "claimed" || options.lease) await client.query("COMMIT");
+  } catch (err) {
+    await client.query("ROLLBACK").catch(() => undefined);
+    client.release();
+    throw err;
+  }
+  switch (row.outcome) {
+    case "claimed":
+      return { kind: "claimed", session: new Session(client, scope, key, row.token, row.recovery_point, options.lease) };
+    case "replay":
+      client.release();
+      return { kind: "answer", answer: replayAnswer(row.status, row.headers, row.body) };
+    case "mismatch":
+      client.release();
+      return {
+        kind: "answer",
+        answer: problem(422, "Idempotency key reused with a different request",
+          "This idempotency key was already used with a request that has a different fingerprint."),
+      };
+    default:
+      client.release();
+      return {
+        kind: "answer",
+        answer: problem(409, "Request in progress",
+          "A request with this idempotency key is still being processed. Retry later.",
+          { "retry-after": String(row.retry_after ?? 1) }),
+      };
+  }
+}
+
+/** A claimed request: the handler's transaction (or phases), then its stored response. */
+export class Session implements Idempotency {
+  readonly client: TransactionClient;
+  private finished = false;
+  private inPhase = false;
+
+  constructor(private readonly raw: PoolClientLike, readonly scope: string, readonly key: string,
+              readonly token: string, readonly recoveryPoint: string | null,
+              private readonly lease: string | undefined) {
+    this.client = {
+      query: (text: string, values?: unknown[]) => {
+        if (this.finished)
+          return Promise.reject(new Error("idempotency: this request's transaction has ended"));
+        if (this.lease && !this.inPhase)
+          return Promise.reject(new Error("idempotency: with a lease, write inside idempotency.phase()"));
+        return this.raw.query(text, values);
+      },
+    };
+  }
+
+  async phase<T>(recoveryPoint: string, work: (client: TransactionClient) => Promise<T>): Promise<T> {
+    if (!this.lease) throw new Error("idempotency: phase() needs the lease option");
+    if (this.inPhase) throw new Error("idempotency: phases do not nest");
+    this.inPhase = true;
+    try {
+      await this.raw.query("BEGIN");
+      await this.raw.query("SELECT idem_checkpoint($1, $2, $3::bigint, $4)",
+        [this.scope, this.key, this.token, recoveryPoint]);
+      const result = await work(this.client);
+      await this.raw.query("COMMIT");
+      return result;
+    } catch (err) {
+      await this.raw.query("ROLLBACK").catch(() => undefined);
+      throw err;
+    } finally {
+      this.inPhase = false;
+    }
+  }
+
+  async extend(lease?: string): Promise<Date> {
+    if (!this.lease) throw new Error("idempotency: extend() needs the lease option");
+    const r = await this.raw.query("SELECT idem_extend($1, $2, $3::bigint, $4::interval) AS until",
+      [this.scope, this.key, this.token, lease ?? this.lease]);
+    return r.rows[0].until;
+  }
+
+  async downstreamKey(label: string): Promise<string> {
+    const r = await this.raw.query("SELECT idem_downstream_key($1, $2, $3) AS k", [this.scope, this.key, label]);
+    return r.rows[0].k;
+  }
+
+  /**
+   * The handler answered: store the answer with the claim (2xx, 3xx, 4xx) or
+   * give the claim up (5xx: nothing is stored, the handler's writes roll back,
+   * the next retry executes). Returns the answer to send: the handler's, or a
+   * problem if it could not be stored.
+   */
+  async finish(answer: HttpAnswer): Promise<HttpAnswer> {
+    if (this.finished) return answer;
+    this.finished = true;
+    let broken: Error | undefined;
+    try {
+      if (answer.status >= 500) {
+        if (this.lease)
+          await this.raw.query("SELECT idem_release($1, $2, $3::bigint)", [this.scope, this.key, this.token]);
+        else
+          await this.raw.query("ROLLBACK");
+        return answer;
+      }
+      const headers = storableHeaders(answer.headers);
+      const body = bodyToStore(headers, answer.body);
+      if (this.lease) await this.raw.query("BEGIN");
+      await this.raw.query(
+        "SELECT idem_succeed($1, $2, $3, $4::jsonb, $5::jsonb" + (this.lease ? ", token => $6::bigint)" : ")"),
+        [this.scope, this.key, answer.status, JSON.stringify(body), JSON.stringify(headers),
+          ...(this.lease ? [this.token] : [])]);
+      await this.raw.query("COMMIT");
+      return answer;
+    } catch (err: any) {
+      await this.raw.query("ROLLBACK").catch((e) => { broken = e; });
+      if (err?.code === "IK001")
+        return problem(409, "Request taken over",
+          "Another attempt with this idempotency key took the operation over. Retry to get its answer.",
+          { "retry-after": "1" });
+      broken = broken ?? (err?.code === undefined ? err : undefined);
+      return problem(500, "Response not stored",
+        "The response could not be stored, so the operation was not committed. Retry with the same key.");
+    } finally {
+      this.raw.release(broken ?? undefined);
+    }
+  }
+
+  /** Give up without an answer (the request was abandoned): roll back and free the connection. */
+  async abandon(): Promise<void> {
+    if (this.finished) return;
+    this.finished = true;
+    let broken: Error | undefined;
+    try {
+      if (this.lease)
+        await this.raw.query("SELECT idem_release($1, $2, $3::bigint)", [this.scope, this.key, this.token]);
+      else
+        await this.raw.query("ROLLBACK");
+    } catch (err: any) {
+      broken = err;
+    } finally {
+      this.raw.release(broken);
+    }
+  }
+}

@@ -1,0 +1,89 @@
+// Fastify 5 plugin: the same flow as the Express middleware, with hooks.
+import type { FastifyInstance, FastifyReply, FastifyRequest } from "fastify";
+import { begin, type HttpAnswer, type Idempotency, type IdempotencyOptions, type RequestInfo, type Session } from "./core.js";
+
+declare module "fastify" {
+  interface FastifyRequest {
+    idempotency: Idempotency | null;
+  }
+  interface FastifyContextConfig {
+    /** false: this route is not idempotent; an object: options for this route. */
+    idempotency?: false | Partial<Omit<IdempotencyOptions<FastifyRequest>, "pool">>;
+  }
+}
+
+const sessions = new WeakMap<FastifyRequest, Session>();
+
+function requestInfo(req: FastifyRequest): RequestInfo {
+  return {
+    method: req.method,
+    route: req.routeOptions.url ?? req.url.split("?")[0],
+    headers: req.headers,
+    body: req.body,
+    params: { ...((req.params as Record<string, string>) ?? {}) },
+  };
+}
+
+function replyWith(reply: FastifyReply, answer: HttpAnswer): FastifyReply {
+  reply.code(answer.status);
+  for (const [name, value] of Object.entries(answer.headers)) reply.header(name, value);
+  return reply.send(answer.body ?? undefined);
+}
+
+async function idempotencyPlugin(app: FastifyInstance, options: IdempotencyOptions<FastifyRequest>): Promise<void> {
+  app.decorateRequest("idempotency", null);
+
+  app.addHook("preHandler", async (req, reply) => {
+    const routeConfig = (req.routeOptions.config as { idempotency?: false | object }).idempotency;
+    if (routeConfig === false) return;
+    const started = await begin({ ...options, ...(routeConfig ?? {}) }, req, requestInfo(req));
+    if (started.kind === "pass") return;
+    if (started.kind === "answer") return replyWith(reply, started.answer);
+    sessions.set(req, started.session);
+    req.idempotency = started.session;
+  });
+
+  app.addHook("onSend", async (req, reply, payload) => {
+    const session = sessions.get(req);
+    if (!session) return payload;
+    sessions.delete(req);
+    let body: string | null;
+    if (payload === null || payload === undefined) body = null;
+    else if (typeof payload === "string") body = payload;
+    else if (Buffer.isBuffer(payload)) body = payload.toString("utf8");
+    else {
+      await session.abandon();
+      reply.code(500).header("content-type", "application/problem+json");
+      return JSON.stringify({ type: "about:blank", title: "Streamed response", status: 500,
+        detail: "An idempotent route cannot stream its response: it must be stored first." });
+    }
+    const headers: Record<string, string> = {};
+    for (const [name, value] of Object.entries(reply.getHeaders()))
+      if (value !== undefined) headers[name] = Array.isArray(value) ? value.join(", ") : String(value);
+    const answer: HttpAnswer = { status: reply.statusCode, headers, body };
+    const sent = await session.finish(answer);
+    if (sent === answer) return payload;
+    for (const name of Object.keys(reply.getHeaders())) reply.removeHeader(name);
+    reply.code(sent.status);
+    for (const [name, value] of Object.entries(sent.headers)) reply.header(name, value);
+    return sent.body;
+  });
+
+  // A request that ended without a reply being sent (aborted, or an error
+  // before onSend) gives its claim up.
+  app.addHook("onResponse", async (req) => {
+    const session = sessions.get(req);
+    if (session) {
+      sessions.delete(req);
+      await session.abandon();
+    }
+  });
+}
+
+// Like fastify-plugin: the hooks apply to every route of the instance it is
+// registered on, not only inside its own encapsulation context.
+(idempotencyPlugin as any)[Symbol.for("skip-override")] = true;
+(idempotencyPlugin as any)[Symbol.for("fastify.display-name")] = "@idempotency/pg";
+(idempotencyPlugin as any)[Symbol.for("plugin-meta")] = { name: "@idempotency/pg", fastify: "5.x" };
+
+export { idempotencyPlugin as fastifyIdempotency };

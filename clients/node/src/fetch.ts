@@ -1,0 +1,125 @@
+// A fetch that sends one Idempotency-Key per intent and retries what is safe
+// to retry with it: network errors, 5xx, 429 and 409, with exponential
+// backoff and full jitter, honouring Retry-After, for a bounded time.
+import { randomUUID } from "node:crypto";
+
+export interface IdempotentFetchOptions {
+  /** The fetch to wrap. Default: the global fetch. */
+  fetch?: typeof fetch;
+  /** Give up after this long since the first attempt, in ms. Default 30000. */
+  maxElapsedMs?: number;
+  /** Give up after this many attempts. Default 10. */
+  maxAttempts?: number;
+  /** The first backoff window, in ms. Default 100. */
+  baseDelayMs?: number;
+  /** The largest backoff window, in ms. Default 5000. */
+  maxDelayMs?: number;
+  /** Abort one attempt after this long, in ms (then retry). Default 10000. */
+  attemptTimeoutMs?: number;
+  /** The request header. Default "Idempotency-Key". */
+  header?: string;
+  /** Which statuses are retried. Default: 409, 429 and 5xx. */
+  retryStatus?: (status: number) => boolean;
+  /** Called before each wait. */
+  onRetry?: (info: RetryInfo) => void;
+  /** For tests: a source of randomness in [0, 1). */
+  random?: () => number;
+}
+
+export interface RetryInfo {
+  key: string;
+  attempt: number;
+  delayMs: number;
+  status?: number;
+  error?: unknown;
+}
+
+export interface IdempotentRequestInit extends RequestInit {
+  /** The intent's key; generated (a UUID) when absent. */
+  idempotencyKey?: string;
+}
+
+/** Thrown when the retries ran out; the request may or may not have taken effect: retry later with the same key. */
+export class IdempotentRequestError extends Error {
+  override name = "IdempotentRequestError";
+  constructor(message: string, readonly key: string, readonly attempts: number, readonly elapsedMs: number,
+              readonly lastStatus: number | undefined, options?: { cause?: unknown }) {
+    super(message, options);
+  }
+}
+
+export type IdempotentFetch = (input: string | URL, init?: IdempotentRequestInit) => Promise<Response>;
+
+/** Seconds or an HTTP date, in ms from now; undefined if absent or unreadable. */
+export function retryAfterMs(value: string | null, now = Date.now()): number | undefined {
+  if (value === null) return undefined;
+  const trimmed = value.trim();
+  if (/^\d+$/.test(trimmed)) return Number(trimmed) * 1000;
+  const date = Date.parse(trimmed);
+  return Number.isNaN(date) ? undefined : Math.max(0, date - now);
+}
+
+const defaultRetryStatus = (status: number) => status === 409 || status === 429 || status >= 500;
+
+function sleep(ms: number, signal?: AbortSignal | null): Promise<void> {
+  return new Promise((resolve, reject) => {
+    if (signal?.aborted) return reject(signal.reason);
+    const timer = setTimeout(() => { signal?.removeEventListener("abort", onAbort); resolve(); }, ms);
+    const onAbort = () => { clearTimeout(timer); reject(signal!.reason); };
+    signal?.addEventListener("abort", onAbort, { once: true });
+  });
+}
+
+export function createIdempotentFetch(options: IdempotentFetchOptions = {}): IdempotentFetch {
+  const doFetch = options.fetch ?? globalThis.fetch;
+  const maxElapsed = options.maxElapsedMs ?? 30_000;
+  const maxAttempts = options.maxAttempts ?? 10;
+  const base = options.baseDelayMs ?? 100;
+  const cap = options.maxDelayMs ?? 5_000;
+  const attemptTimeout = options.attemptTimeoutMs ?? 10_000;
+  const headerName = options.header ?? "Idempotency-Key";
+  const retryStatus = options.retryStatus ?? defaultRetryStatus;
+  const random = options.random ?? Math.random;
+
+  return async function idempotentFetch(input, init = {}) {
+    const { idempotencyKey, ...requestInit } = init;
+    if (requestInit.body && typeof (requestInit.body as any).getReader === "function")
+      throw new TypeError("idempotent fetch: a stream body cannot be resent; pass a string or bytes");
+    const key = idempotencyKey ?? randomUUID();
+    const headers = new Headers(requestInit.headers);
+    headers.set(headerName, key);
+    const started = Date.now();
+    let lastStatus: number | undefined;
+    let lastError: unknown;
+
+    for (let attempt = 1; ; attempt++) {
+      let waitAtLeast = 0;
+      try {
+        const signals = [AbortSignal.timeout(attemptTimeout)];
+        if (requestInit.signal) signals.push(requestInit.signal);
+        const response = await doFetch(input, { ...requestInit, headers, signal: AbortSignal.any(signals) });
+        if (!retryStatus(response.status)) return response;
+        lastStatus = response.status;
+        lastError = undefined;
+        waitAtLeast = retryAfterMs(response.headers.get("retry-after")) ?? 0;
+        await response.arrayBuffer().catch(() => undefined);
+      } catch (err) {
+        // The caller's own abort is final; anything else may be transient.
+        if (requestInit.signal?.aborted) throw err;
+        lastError = err;
+        lastStatus = undefined;
+      }
+      const elapsed = Date.now() - started;
+      const window = Math.min(cap, base * 2 ** (attempt - 1));
+      const delay = Math.max(waitAtLeast, Math.floor(random() * window));
+      if (attempt >= maxAttempts || elapsed + delay > maxElapsed) {
+        throw new IdempotentRequestError(
+          `gave up after ${attempt} attempts in ${elapsed} ms (last: ${lastStatus ?? String(lastError)}); ` +
+          `the request may have taken effect: retry later with key ${key}`,
+          key, attempt, elapsed, lastStatus, { cause: lastError });
+      }
+      options.onRetry?.({ key, attempt, delayMs: delay, status: lastStatus, error: lastError });
+      await sleep(delay, requestInit.signal);
+    }
+  };
+}

@@ -1,0 +1,181 @@
+// The Express 5 middleware against a real PostgreSQL with the extension.
+import { test, before, after } from "node:test";
+import assert from "node:assert/strict";
+import express from "express";
+import { idempotent } from "../dist/index.js";
+import { startCluster } from "./support/cluster.mjs";
+
+let cluster, pool, impatientPool, server, base;
+let inHandler, releaseHandler;
+
+before(async () => {
+  cluster = await startCluster();
+  pool = cluster.pool({ max: 10 });
+  impatientPool = cluster.pool({ max: 2, options: "-c idempotency.wait_timeout=0" });
+  await cluster.query("CREATE TABLE payments (id serial PRIMARY KEY, tenant text, amount int, note text)");
+
+  const app = express();
+  app.use(express.json());
+  const principal = (req) => req.get("x-tenant");
+  app.post("/payments", idempotent({ pool, principal }), async (req, res) => {
+    const { amount, fail, note } = req.body;
+    const { rows } = await req.idempotency.client.query(
+      "INSERT INTO payments (tenant, amount, note) VALUES ($1, $2, $3) RETURNING id",
+      [req.get("x-tenant"), amount, note ?? null]);
+    if (note === "slow") await req.idempotency.client.query("SELECT pg_sleep(0.3)");
+    if (fail === "throw") throw new Error("handler failed");
+    if (fail === "503") return res.status(503).set("retry-after", "1").json({ error: "try again" });
+    if (amount <= 0) return res.status(402).json({ error: "declined" });
+    res.status(201).location(`/payments/${rows[0].id}`).json({ id: rows[0].id, amount });
+  });
+  app.post("/held", idempotent({ pool: impatientPool }), async (req, res) => {
+    inHandler();
+    await new Promise((resolve) => { releaseHandler = resolve; });
+    res.status(200).json({ done: true });
+  });
+  app.post("/optional", idempotent({ pool, required: false }), (req, res) => {
+    res.json({ idempotency: req.idempotency ? req.idempotency.key : null });
+  });
+  app.post("/text", idempotent({ pool }), (req, res) => {
+    res.type("text/plain").send("plain answer");
+  });
+  // An error handler answering 500: the claim is released like for any 5xx.
+  app.use((err, req, res, next) => res.status(500).json({ error: err.message }));
+  await new Promise((resolve) => { server = app.listen(0, "127.0.0.1", resolve); });
+  base = `http://127.0.0.1:${server.address().port}`;
+});
+
+after(async () => {
+  await new Promise((resolve) => server.close(resolve));
+  await cluster.stop();
+});
+
+function post(path, body, headers = {}) {
+  return fetch(base + path, {
+    method: "POST",
+    headers: { "content-type": "application/json", "x-tenant": "t1", ...headers },
+    body: JSON.stringify(body),
+  });
+}
+
+async function count(where, values) {
+  const { rows } = await cluster.query(`SELECT count(*)::int AS n FROM payments WHERE ${where}`, values);
+  return rows[0].n;
+}
+
+test("a missing or malformed key is a 400 problem", async () => {
+  let r = await post("/payments", { amount: 5 });
+  assert.equal(r.status, 400);
+  assert.equal(r.headers.get("content-type"), "application/problem+json");
+  assert.equal((await r.json()).title, "Idempotency-Key is missing");
+  r = await post("/payments", { amount: 5 }, { "idempotency-key": "bad key with spaces" });
+  assert.equal(r.status, 400);
+  assert.equal((await r.json()).title, "Idempotency-Key is malformed");
+  r = await post("/payments", { amount: 5 }, { "idempotency-key": "x".repeat(256) });
+  assert.equal(r.status, 400);
+  assert.equal(await count("amount = 5"), 0);
+});
+
+test("the first request executes, every retry replays its stored answer", async () => {
+  const first = await post("/payments", { amount: 10 }, { "idempotency-key": "k-1" });
+  assert.equal(first.status, 201);
+  assert.equal(first.headers.get("idempotent-replayed"), null);
+  const body = await first.json();
+  for (let i = 0; i < 3; i++) {
+    const again = await post("/payments", { amount: 10 }, { "idempotency-key": "k-1" });
+    assert.equal(again.status, 201);
+    assert.equal(again.headers.get("idempotent-replayed"), "true");
+    assert.equal(again.headers.get("location"), `/payments/${body.id}`);
+    assert.equal(again.headers.get("content-type"), "application/json; charset=utf-8");
+    assert.deepEqual(await again.json(), body);
+  }
+  // The same key, spelt as the IETF draft's quoted string, is the same key.
+  const quoted = await post("/payments", { amount: 10 }, { "idempotency-key": '"k-1"' });
+  assert.equal(quoted.headers.get("idempotent-replayed"), "true");
+  assert.equal(await count("amount = 10"), 1);
+});
+
+test("the same key with another request is a 422 problem", async () => {
+  const r = await post("/payments", { amount: 11 }, { "idempotency-key": "k-1" });
+  assert.equal(r.status, 422);
+  assert.equal(r.headers.get("content-type"), "application/problem+json");
+  assert.equal((await r.json()).status, 422);
+  assert.equal(await count("amount = 11"), 0);
+});
+
+test("the scope holds the principal: another tenant's same key is another operation", async () => {
+  const r = await post("/payments", { amount: 10 }, { "idempotency-key": "k-1", "x-tenant": "t2" });
+  assert.equal(r.status, 201);
+  assert.equal(r.headers.get("idempotent-replayed"), null);
+  assert.equal(await count("amount = 10"), 2);
+});
+
+test("a business rejection (4xx) is stored and replayed", async () => {
+  const r1 = await post("/payments", { amount: 0 }, { "idempotency-key": "k-402" });
+  assert.equal(r1.status, 402);
+  const r2 = await post("/payments", { amount: 0 }, { "idempotency-key": "k-402" });
+  assert.equal(r2.status, 402);
+  assert.equal(r2.headers.get("idempotent-replayed"), "true");
+  assert.equal(await count("amount = 0"), 1);
+});
+
+test("a 5xx answer is not stored and its writes roll back; the retry executes", async () => {
+  const r1 = await post("/payments", { amount: 20, fail: "503" }, { "idempotency-key": "k-503" });
+  assert.equal(r1.status, 503);
+  assert.equal(r1.headers.get("retry-after"), "1");
+  assert.equal(await count("amount = 20"), 0);
+  const r2 = await post("/payments", { amount: 20, fail: "503" }, { "idempotency-key": "k-503" });
+  assert.equal(r2.status, 503);
+  assert.equal(r2.headers.get("idempotent-replayed"), null);
+  assert.equal(await count("amount = 20"), 0);
+});
+
+test("a thrown error releases the claim; the retry executes", async () => {
+  const r1 = await post("/payments", { amount: 30, fail: "throw" }, { "idempotency-key": "k-throw" });
+  assert.equal(r1.status, 500);
+  assert.equal(await count("amount = 30"), 0);
+  // The retry with the same request (the failure was transient in reality):
+  const { rows } = await cluster.query(
+    "SELECT count(*)::int AS n FROM idem_replay('t1:POST /payments', 'k-throw')");
+  assert.equal(rows[0].n, 0);
+});
+
+test("concurrent duplicates wait for the first and replay it", async () => {
+  const answers = await Promise.all(Array.from({ length: 5 }, () =>
+    post("/payments", { amount: 40, note: "slow" }, { "idempotency-key": "k-conc" })
+      .then(async (r) => ({ status: r.status, replayed: r.headers.get("idempotent-replayed"), body: await r.json() }))));
+  assert.deepEqual(answers.map((a) => a.status), [201, 201, 201, 201, 201]);
+  assert.equal(answers.filter((a) => a.replayed === null).length, 1);
+  assert.equal(new Set(answers.map((a) => JSON.stringify(a.body))).size, 1);
+  assert.equal(await count("amount = 40"), 1);
+});
+
+test("a duplicate of a request still in flight past wait_timeout is a 409 with Retry-After", async () => {
+  const entered = new Promise((resolve) => { inHandler = resolve; });
+  const first = post("/held", { n: 1 }, { "idempotency-key": "k-held" });
+  await entered;
+  const dup = await post("/held", { n: 1 }, { "idempotency-key": "k-held" });
+  assert.equal(dup.status, 409);
+  assert.ok(Number(dup.headers.get("retry-after")) >= 1);
+  assert.equal((await dup.json()).title, "Request in progress");
+  releaseHandler();
+  assert.equal((await first).status, 200);
+  const again = await post("/held", { n: 1 }, { "idempotency-key": "k-held" });
+  assert.equal(again.headers.get("idempotent-replayed"), "true");
+});
+
+test("an optional key: without it the handler runs unprotected", async () => {
+  let r = await post("/optional", {});
+  assert.deepEqual(await r.json(), { idempotency: null });
+  r = await post("/optional", {}, { "idempotency-key": "k-opt" });
+  assert.deepEqual(await r.json(), { idempotency: "k-opt" });
+});
+
+test("a text response is stored and replayed byte for byte", async () => {
+  const r1 = await post("/text", {}, { "idempotency-key": "k-text" });
+  assert.equal(await r1.text(), "plain answer");
+  const r2 = await post("/text", {}, { "idempotency-key": "k-text" });
+  assert.equal(r2.headers.get("idempotent-replayed"), "true");
+  assert.equal(r2.headers.get("content-type"), "text/plain; charset=utf-8");
+  assert.equal(await r2.text(), "plain answer");
+});

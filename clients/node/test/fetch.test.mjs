@@ -1,0 +1,105 @@
+// The retrying client against a scripted HTTP server (no database needed).
+import { test, before, after } from "node:test";
+import assert from "node:assert/strict";
+import http from "node:http";
+import { createIdempotentFetch, IdempotentRequestError, retryAfterMs } from "../dist/index.js";
+
+let server, base;
+let script = [];
+const seen = [];
+
+before(async () => {
+  server = http.createServer((req, res) => {
+    let body = "";
+    req.on("data", (c) => { body += c; });
+    req.on("end", () => {
+      seen.push({ key: req.headers["idempotency-key"], body, at: Date.now() });
+      const step = script.shift() ?? { status: 200 };
+      if (step.drop) return req.socket.destroy();
+      res.writeHead(step.status, step.headers ?? {});
+      res.end(JSON.stringify({ attempt: seen.length }));
+    });
+  });
+  await new Promise((resolve) => server.listen(0, "127.0.0.1", resolve));
+  base = `http://127.0.0.1:${server.address().port}`;
+});
+
+after(() => new Promise((resolve) => server.close(resolve)));
+
+function reset(steps) {
+  script = steps;
+  seen.length = 0;
+}
+
+test("one key per intent, kept across retries of network errors, 5xx, 429 and 409", async () => {
+  reset([{ drop: true }, { status: 503 }, { status: 429 }, { status: 409 }, { status: 201 }]);
+  const retries = [];
+  const f = createIdempotentFetch({ baseDelayMs: 1, maxDelayMs: 5, onRetry: (i) => retries.push(i) });
+  const r = await f(base + "/x", { method: "POST", body: '{"a":1}' });
+  assert.equal(r.status, 201);
+  assert.equal(seen.length, 5);
+  assert.equal(new Set(seen.map((s) => s.key)).size, 1);
+  assert.match(seen[0].key, /^[0-9a-f-]{36}$/);
+  assert.ok(seen.every((s) => s.body === '{"a":1}'));
+  assert.deepEqual(retries.map((i) => i.status), [undefined, 503, 429, 409]);
+  // A second intent gets another key.
+  reset([{ status: 200 }]);
+  await f(base + "/x", { method: "POST", body: "{}" });
+  assert.notEqual(seen[0].key, retries[0].key);
+});
+
+test("a caller's key is used as given; 4xx other than 409 and 429 are answers, not retried", async () => {
+  reset([{ status: 422 }]);
+  const f = createIdempotentFetch({ baseDelayMs: 1 });
+  const r = await f(base + "/x", { method: "POST", body: "{}", idempotencyKey: "intent-7" });
+  assert.equal(r.status, 422);
+  assert.deepEqual(seen.map((s) => s.key), ["intent-7"]);
+});
+
+test("Retry-After is honoured", async () => {
+  reset([{ status: 409, headers: { "retry-after": "1" } }, { status: 200 }]);
+  const f = createIdempotentFetch({ baseDelayMs: 1, maxDelayMs: 2 });
+  const r = await f(base + "/x", { method: "POST", body: "{}" });
+  assert.equal(r.status, 200);
+  assert.ok(seen[1].at - seen[0].at >= 1000, `waited ${seen[1].at - seen[0].at} ms`);
+});
+
+test("backoff has full jitter within an exponential window", async () => {
+  reset([{ status: 500 }, { status: 500 }, { status: 500 }, { status: 200 }]);
+  const delays = [];
+  const f = createIdempotentFetch({ baseDelayMs: 100, maxDelayMs: 250, random: () => 0.999, onRetry: (i) => delays.push(i.delayMs) });
+  await f(base + "/x", { method: "POST", body: "{}" });
+  assert.deepEqual(delays, [99, 199, 249]);
+});
+
+test("gives up after a bounded time with a typed error that carries the key", async () => {
+  reset(Array.from({ length: 100 }, () => ({ status: 503 })));
+  const f = createIdempotentFetch({ baseDelayMs: 20, maxDelayMs: 40, maxElapsedMs: 300 });
+  const started = Date.now();
+  await assert.rejects(f(base + "/x", { method: "POST", body: "{}", idempotencyKey: "k-gone" }), (err) => {
+    assert.ok(err instanceof IdempotentRequestError);
+    assert.equal(err.key, "k-gone");
+    assert.equal(err.lastStatus, 503);
+    assert.ok(err.attempts >= 2);
+    return true;
+  });
+  assert.ok(Date.now() - started < 2000);
+  reset([]);
+  const g = createIdempotentFetch({ maxAttempts: 3, baseDelayMs: 1 });
+  script = [{ status: 500 }, { status: 500 }, { status: 500 }, { status: 200 }];
+  await assert.rejects(g(base + "/x", { method: "POST", body: "{}" }), (err) => err.attempts === 3);
+});
+
+test("Retry-After beyond the time left gives up at once", async () => {
+  reset([{ status: 429, headers: { "retry-after": "60" } }]);
+  const f = createIdempotentFetch({ maxElapsedMs: 5000 });
+  await assert.rejects(f(base + "/x", { method: "POST", body: "{}" }), IdempotentRequestError);
+  assert.equal(seen.length, 1);
+});
+
+test("Retry-After as seconds or as a date", () => {
+  assert.equal(retryAfterMs("3"), 3000);
+  assert.equal(retryAfterMs(new Date(10_000).toUTCString(), 4_000), 6000);
+  assert.equal(retryAfterMs("soon"), undefined);
+  assert.equal(retryAfterMs(null), undefined);
+});

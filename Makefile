@@ -36,3 +36,18 @@ $(OBJS): $(wildcard src/*.h)
 # test/run.sh asks for the test lists.
 print-%:
 	@echo $($*)
+
+# `make dist`: the release archive for PGXN, idempotency-X.Y.Z.zip, made by
+# `git archive` of the committed HEAD (never of uncommitted changes) with
+# every path under idempotency-X.Y.Z/.  PGXN wants a semantic version:
+# EXTVERSION 1.2 is distribution 1.2.0, which META.json must state.
+DISTVERSION = $(EXTVERSION)$(if $(word 3,$(subst ., ,$(EXTVERSION))),,.0)
+DISTNAME = $(EXTENSION)-$(DISTVERSION)
+
+dist:
+	@grep -q '"version": "$(DISTVERSION)"' META.json || \
+		{ echo "META.json does not give version $(DISTVERSION) (EXTVERSION $(EXTVERSION))" >&2; exit 1; }
+	git archive --format=zip --prefix=$(DISTNAME)/ -o $(DISTNAME).zip HEAD
+	@echo "$(DISTNAME).zip"
+
+.PHONY: dist

@@ -10,7 +10,8 @@
 #   $IDEM_ROOTS/SUITE.base/   debootstrap's result, configured, never entered
 #   $IDEM_ROOTS/SUITE/        a copy in which packages are installed and tests run
 # Either is made from nothing when missing or older than IDEM_ROOT_MAX_DAYS
-# (default 7).  A lock per suite keeps two runs out of each other's root.
+# (default 7).  A lock per suite (idem_root_lock) keeps two runs out of each
+# other's roots.
 
 IDEM_ROOTS=${IDEM_ROOTS:-/var/cache/idem-roots}
 IDEM_ROOT_MAX_DAYS=${IDEM_ROOT_MAX_DAYS:-7}
@@ -92,6 +93,19 @@ idem_root_base() {
 	echo 'APT::Install-Recommends "false";' >>"$base.tmp/etc/apt/apt.conf.d/99idempotency"
 	touch "$base.tmp/.idem-root"
 	mv "$base.tmp" "$base"
+}
+
+# Wait for, then hold, the lock of a suite's roots (on file descriptor 9)
+# until idem_root_unlock: test/deb.sh takes the same lock.
+idem_root_lock() {
+	mkdir -p "$IDEM_ROOTS"
+	exec 9>"$IDEM_ROOTS/$1.lock"
+	flock 9
+}
+
+# Release the lock of idem_root_lock.
+idem_root_unlock() {
+	exec 9>&-
 }
 
 # Make (or reuse) the working root $IDEM_ROOTS/SUITE; with "fresh", a new

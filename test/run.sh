@@ -119,7 +119,10 @@ fi
 
 if [ -n "$tap_tests" ]; then
 	section "TAP"
+	# Where the clusters and logs go: TESTDIR says it up to 15, TESTDATADIR
+	# and TESTLOGDIR from 16 on (whose default for logs is "log").
 	(cd "$work" && idem_as_pg env PATH="$PG_BINDIR:$PATH" TESTDIR="$work" \
+		TESTDATADIR="$work/tmp_check" TESTLOGDIR="$work/tmp_check/log" \
 		PG_REGRESS="$PGXS_DIR/src/test/regress/pg_regress" \
 		prove -I "$PGXS_DIR/src/test/perl" -I . $tap_tests) 2>&1 | tee -a "$log" >"$work/tap.out"
 	cat "$work/tap.out"

@@ -26,7 +26,7 @@ function requestInfo(req: ExpressRequestLike): RequestInfo {
   };
 }
 
-function send(res: ServerResponse, answer: HttpAnswer): void {
+function send(res: ServerResponse, answer: Omit<HttpAnswer, "body"> & { body: string | Buffer | null }): void {
   res.statusCode = answer.status;
   for (const [name, value] of Object.entries(answer.headers)) res.setHeader(name, value);
   if (answer.body === null) res.end();
@@ -62,36 +62,69 @@ export function idempotent<Req extends ExpressRequestLike = ExpressRequestLike>(
     const session = started.session;
     req.idempotency = session;
     // Hold the response back until it is stored: whatever the handler (or an
-    // error handler) writes is buffered and sent by the end() below.
-    const originalWrite = res.write;
-    const originalEnd = res.end;
+    // error handler) writes is buffered; the first end() stores it and sends
+    // it once the transaction committed. Until then nothing reaches the
+    // socket: writeHead() and flushHeaders() only record, and every write or
+    // end() after the first end() is dropped (a second answer is never sent
+    // nor stored).
+    const original = { write: res.write, end: res.end, writeHead: res.writeHead, flushHeaders: res.flushHeaders };
     const chunks: Buffer[] = [];
+    let ended = false;
+    const callLater = (cb: unknown) => { if (typeof cb === "function") process.nextTick(cb as () => void); };
+    res.writeHead = function (statusCode: number, reason?: unknown, headers?: unknown) {
+      if (ended) return res;
+      if (typeof reason !== "string") headers = reason;
+      else res.statusMessage = reason;
+      res.statusCode = statusCode;
+      if (Array.isArray(headers)) {
+        // [[name, value], ...] or [name, value, name, value, ...]
+        if (headers.length > 0 && Array.isArray(headers[0]))
+          for (const [name, value] of headers as [string, string][]) res.appendHeader(name, value);
+        else
+          for (let i = 0; i + 1 < headers.length; i += 2) res.appendHeader(String(headers[i]), headers[i + 1]);
+      } else if (headers && typeof headers === "object") {
+        for (const [name, value] of Object.entries(headers as Record<string, unknown>))
+          if (value !== undefined) res.setHeader(name, value as string | string[]);
+      }
+      return res;
+    } as typeof res.writeHead;
+    res.flushHeaders = function () { /* sent with the stored response */ };
     res.write = function (chunk: unknown, encoding?: unknown, cb?: unknown) {
-      if (typeof encoding === "function") cb = encoding;
-      if (chunk !== undefined && chunk !== null) chunks.push(toBuffer(chunk, encoding));
-      if (typeof cb === "function") process.nextTick(cb as () => void);
-      return true;
+      if (typeof encoding === "function") { cb = encoding; encoding = undefined; }
+      if (!ended && chunk !== undefined && chunk !== null) chunks.push(toBuffer(chunk, encoding));
+      callLater(cb);
+      return !ended;
     } as typeof res.write;
     res.end = function (chunk?: unknown, encoding?: unknown, cb?: unknown) {
       if (typeof chunk === "function") { cb = chunk; chunk = undefined; }
       if (typeof encoding === "function") { cb = encoding; encoding = undefined; }
+      if (ended) {
+        callLater(cb);
+        return res;
+      }
+      ended = true;
       if (chunk !== undefined && chunk !== null) chunks.push(toBuffer(chunk, encoding));
-      res.write = originalWrite;
-      res.end = originalEnd;
-      const body = Buffer.concat(chunks).toString("utf8");
+      const body = Buffer.concat(chunks);
       const headers: Record<string, string> = {};
       for (const [name, value] of Object.entries(res.getHeaders()))
         if (value !== undefined) headers[name] = Array.isArray(value) ? value.join(", ") : String(value);
-      const answer: HttpAnswer = { status: res.statusCode, headers, body: body === "" ? null : body };
+      const answer: HttpAnswer = { status: res.statusCode, headers, body: body.length === 0 ? null : body.toString("utf8") };
       session.finish(answer).then((sent) => {
-        if (sent !== answer) {
-          for (const name of res.getHeaderNames()) res.removeHeader(name);
-          send(res, sent);
-        } else {
-          res.setHeader("content-length", Buffer.byteLength(body));
-          originalEnd.call(res, body, "utf8");
+        Object.assign(res, original);
+        if (res.headersSent || res.destroyed) {
+          // Cannot happen with the methods above held back; never send half an answer.
+          res.destroy();
+          return;
         }
-        if (typeof cb === "function") (cb as () => void)();
+        // What was stored, even if the handler changed the status or the
+        // headers after its first end().
+        for (const name of res.getHeaderNames()) res.removeHeader(name);
+        send(res, sent === answer ? { ...answer, body: body.length === 0 ? null : body } : sent);
+        callLater(cb);
+      }).catch((err) => {
+        // The answer's fate is unknown to the client: a reset connection
+        // tells it to retry with the same key, which replays or executes.
+        res.destroy(err instanceof Error ? err : new Error(String(err)));
       });
       return res;
     } as typeof res.end;

@@ -39,6 +39,21 @@ before(async () => {
   app.post("/text", idempotent({ pool }), (req, res) => {
     res.type("text/plain").send("plain answer");
   });
+  // A handler that writes the head itself.
+  app.post("/writehead", idempotent({ pool, principal: null }), (req, res) => {
+    res.writeHead(201, { "content-type": "application/json", "x-made-by": "writeHead" });
+    res.end(JSON.stringify({ made: "writeHead" }));
+  });
+  // A handler that answers twice: only the first answer is stored and sent.
+  app.post("/twice", idempotent({ pool, principal: null }), async (req, res) => {
+    await req.idempotency.client.query("INSERT INTO payments (tenant, amount, note) VALUES ('t1', 77, 'twice')");
+    res.status(201).json({ answer: "first" });
+    try {
+      res.status(200).json({ answer: "second" });
+    } catch {
+      // Express may refuse the second answer: either way it must not leave.
+    }
+  });
   // An error handler answering 500: the claim is released like for any 5xx.
   app.use((err, req, res, next) => res.status(500).json({ error: err.message }));
   await new Promise((resolve) => { server = app.listen(0, "127.0.0.1", resolve); });
@@ -178,4 +193,26 @@ test("a text response is stored and replayed byte for byte", async () => {
   assert.equal(r2.headers.get("idempotent-replayed"), "true");
   assert.equal(r2.headers.get("content-type"), "text/plain; charset=utf-8");
   assert.equal(await r2.text(), "plain answer");
+});
+
+test("writeHead() is held back and stored like setHeader()", async () => {
+  const r1 = await post("/writehead", {}, { "idempotency-key": "k-wh" });
+  assert.equal(r1.status, 201);
+  assert.equal(r1.headers.get("x-made-by"), "writeHead");
+  assert.deepEqual(await r1.json(), { made: "writeHead" });
+  const r2 = await post("/writehead", {}, { "idempotency-key": "k-wh" });
+  assert.equal(r2.status, 201);
+  assert.equal(r2.headers.get("idempotent-replayed"), "true");
+  assert.equal(r2.headers.get("x-made-by"), "writeHead");
+  assert.deepEqual(await r2.json(), { made: "writeHead" });
+});
+
+test("a second answer of the handler is dropped: the client gets the stored first one", async () => {
+  const r1 = await post("/twice", {}, { "idempotency-key": "k-twice" });
+  assert.equal(r1.status, 201);
+  assert.deepEqual(await r1.json(), { answer: "first" });
+  const r2 = await post("/twice", {}, { "idempotency-key": "k-twice" });
+  assert.equal(r2.headers.get("idempotent-replayed"), "true");
+  assert.deepEqual(await r2.json(), { answer: "first" });
+  assert.equal(await count("note = 'twice'"), 1);
 });

@@ -11,6 +11,32 @@ export interface PoolLike {
 export interface PoolClientLike {
   query(text: string, values?: unknown[]): Promise<{ rows: any[]; rowCount: number | null }>;
   release(destroy?: Error | boolean): void;
+  on?(event: "error", listener: (err: Error) => void): unknown;
+  removeListener?(event: "error", listener: (err: Error) => void): unknown;
+}
+
+/**
+ * A client checked out of the pool, listening for its errors. pg-pool takes
+ * its own 'error' listener off a client it hands out, and an 'error' event
+ * without a listener (the server went away while the handler was not
+ * querying) would crash the process. The error is kept and the client is
+ * released as broken, so the pool closes it instead of handing it out again.
+ */
+export class CheckedOut {
+  private error: Error | undefined;
+  private readonly onError = (err: Error) => { this.error ??= err; };
+
+  constructor(readonly raw: PoolClientLike) {
+    raw.on?.("error", this.onError);
+  }
+
+  /** Give the client back: as broken if it had an error (or err is given). */
+  release(err?: Error): void {
+    const broken = err ?? this.error;
+    // A broken client is closed by the pool: keep listening to its last gasps.
+    if (!broken) this.raw.removeListener?.("error", this.onError);
+    this.raw.release(broken);
+  }
 }
 
 /** A client bound to the request's transaction; refuses queries once the request is finished. */
@@ -187,7 +213,8 @@ export async function begin<Req>(options: IdempotencyOptions<Req>, req: Req, inf
     : `${principal ? `${principal}:` : ""}${info.method.toUpperCase()} ${info.route}`;
   const fingerprint = options.fingerprint ? options.fingerprint(req, info) : defaultFingerprint(info);
 
-  const client = await options.pool.connect();
+  const checkedOut = new CheckedOut(await options.pool.connect());
+  const client = checkedOut.raw;
   let row: any;
   try {
     await client.query("BEGIN");
@@ -198,25 +225,26 @@ export async function begin<Req>(options: IdempotencyOptions<Req>, req: Req, inf
     row = result.rows[0];
     if (row.outcome !== "claimed" || options.lease) await client.query("COMMIT");
   } catch (err) {
-    await client.query("ROLLBACK").catch(() => undefined);
-    client.release();
+    let broken: Error | undefined;
+    await client.query("ROLLBACK").catch((e) => { broken = e; });
+    checkedOut.release(broken);
     throw err;
   }
   switch (row.outcome) {
     case "claimed":
-      return { kind: "claimed", session: new Session(client, scope, key, row.token, row.recovery_point, options.lease) };
+      return { kind: "claimed", session: new Session(checkedOut, scope, key, row.token, row.recovery_point, options.lease) };
     case "replay":
-      client.release();
+      checkedOut.release();
       return { kind: "answer", answer: replayAnswer(row.status, row.headers, row.body) };
     case "mismatch":
-      client.release();
+      checkedOut.release();
       return {
         kind: "answer",
         answer: problem(422, "Idempotency key reused with a different request",
           "This idempotency key was already used with a request that has a different fingerprint."),
       };
     default:
-      client.release();
+      checkedOut.release();
       return {
         kind: "answer",
         answer: problem(409, "Request in progress",
@@ -232,9 +260,12 @@ export class Session implements Idempotency {
   private finished = false;
   private inPhase = false;
 
-  constructor(private readonly raw: PoolClientLike, readonly scope: string, readonly key: string,
+  private readonly raw: PoolClientLike;
+
+  constructor(private readonly checkedOut: CheckedOut, readonly scope: string, readonly key: string,
               readonly token: string, readonly recoveryPoint: string | null,
               private readonly lease: string | undefined) {
+    this.raw = checkedOut.raw;
     this.client = {
       query: (text: string, values?: unknown[]) => {
         if (this.finished)
@@ -314,7 +345,7 @@ export class Session implements Idempotency {
       return problem(500, "Response not stored",
         "The response could not be stored, so the operation was not committed. Retry with the same key.");
     } finally {
-      this.raw.release(broken ?? undefined);
+      this.checkedOut.release(broken);
     }
   }
 
@@ -331,7 +362,7 @@ export class Session implements Idempotency {
     } catch (err: any) {
       broken = err;
     } finally {
-      this.raw.release(broken);
+      this.checkedOut.release(broken);
     }
   }
 }

@@ -54,6 +54,17 @@ before(async () => {
       // Express may refuse the second answer: either way it must not leave.
     }
   });
+  // A handler whose connection is lost while it works (the server went away).
+  app.post("/lost", idempotent({ pool, principal: null }), async (req, res) => {
+    const { rows } = await req.idempotency.client.query("SELECT pg_backend_pid() AS pid");
+    const raw = pool._clients.find((c) => c.processID === rows[0].pid);
+    // (a plain 'end' listener: events.once would also listen for 'error')
+    const ended = new Promise((resolve) => raw.once("end", resolve));
+    await cluster.query("SELECT pg_terminate_backend($1)", [rows[0].pid]);
+    await ended;   // the server's FATAL arrived while no query was running
+    await req.idempotency.client.query("SELECT 1");
+    res.json({ unreachable: true });
+  });
   // An error handler answering 500: the claim is released like for any 5xx.
   app.use((err, req, res, next) => res.status(500).json({ error: err.message }));
   await new Promise((resolve) => { server = app.listen(0, "127.0.0.1", resolve); });
@@ -215,4 +226,14 @@ test("a second answer of the handler is dropped: the client gets the stored firs
   assert.equal(r2.headers.get("idempotent-replayed"), "true");
   assert.deepEqual(await r2.json(), { answer: "first" });
   assert.equal(await count("note = 'twice'"), 1);
+});
+
+test("a connection lost during the handler is a 500, not a crash; the pool goes on", async () => {
+  const r = await post("/lost", {}, { "idempotency-key": "k-lost" });
+  assert.equal(r.status, 500);
+  const again = await post("/payments", { amount: 88 }, { "idempotency-key": "k-after-lost" });
+  assert.equal(again.status, 201);
+  // The lost attempt stored nothing: its retry executes.
+  const { rows } = await cluster.query("SELECT count(*)::int AS n FROM idem_replay('POST /lost', 'k-lost')");
+  assert.equal(rows[0].n, 0);
 });

@@ -128,6 +128,14 @@ export function idempotent<Req extends ExpressRequestLike = ExpressRequestLike>(
       });
       return res;
     } as typeof res.end;
+    // The client went away before the handler answered: give the claim up
+    // now rather than when (if ever) the handler ends; its retry executes.
+    res.on("close", () => {
+      if (!ended) {
+        ended = true;
+        session.abandon().catch(() => undefined);
+      }
+    });
     next();
   };
 }

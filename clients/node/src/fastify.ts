@@ -41,6 +41,17 @@ async function idempotencyPlugin(app: FastifyInstance, options: IdempotencyOptio
     if (started.kind === "answer") return replyWith(reply, started.answer);
     sessions.set(req, started.session);
     req.idempotency = started.session;
+    // The client went away before the handler answered: give the claim up
+    // now rather than when (if ever) the handler ends; its retry executes.
+    // (Fastify's onRequestAbort only fires for a request whose body was not
+    // read completely.) Once the reply is sent, onSend has taken the session.
+    reply.raw.on("close", () => {
+      const session = sessions.get(req);
+      if (session) {
+        sessions.delete(req);
+        session.abandon().catch(() => undefined);
+      }
+    });
   });
 
   app.addHook("onSend", async (req, reply, payload) => {

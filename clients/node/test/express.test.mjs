@@ -6,6 +6,7 @@ import { idempotent } from "../dist/index.js";
 import { startCluster } from "./support/cluster.mjs";
 
 let cluster, pool, impatientPool, server, base;
+let neverCalls = 0, neverEntered, neverRelease;
 let inHandler, releaseHandler;
 
 before(async () => {
@@ -64,6 +65,14 @@ before(async () => {
     await ended;   // the server's FATAL arrived while no query was running
     await req.idempotency.client.query("SELECT 1");
     res.json({ unreachable: true });
+  });
+  // A handler that does not answer the first time (until the test lets it).
+  app.post("/never", idempotent({ pool: impatientPool, principal: null }), async (req, res) => {
+    if (++neverCalls === 1) {
+      neverEntered();
+      await new Promise((resolve) => { neverRelease = resolve; });
+    }
+    res.json({ calls: neverCalls });
   });
   // An error handler answering 500: the claim is released like for any 5xx.
   app.use((err, req, res, next) => res.status(500).json({ error: err.message }));
@@ -236,4 +245,31 @@ test("a connection lost during the handler is a 500, not a crash; the pool goes 
   // The lost attempt stored nothing: its retry executes.
   const { rows } = await cluster.query("SELECT count(*)::int AS n FROM idem_replay('POST /lost', 'k-lost')");
   assert.equal(rows[0].n, 0);
+});
+
+test("a client that disconnects from a handler that never answers frees the claim", async () => {
+  const entered = new Promise((resolve) => { neverEntered = resolve; });
+  const abort = new AbortController();
+  const gone = fetch(base + "/never", {
+    method: "POST", signal: abort.signal,
+    headers: { "content-type": "application/json", "idempotency-key": "k-never" }, body: "{}",
+  }).catch(() => "aborted");
+  await entered;
+  abort.abort();
+  assert.equal(await gone, "aborted");
+  // The claim is given up when the connection closes: a retry
+  // executes (409 while the abandoned attempt still holds it).
+  let retry;
+  for (const until = Date.now() + 20_000; Date.now() < until;) {
+    retry = await post("/never", {}, { "idempotency-key": "k-never" });
+    if (retry.status !== 409) break;
+    await new Promise((resolve) => setTimeout(resolve, 100));
+  }
+  assert.equal(retry.status, 200);
+  assert.equal(retry.headers.get("idempotent-replayed"), null);
+  assert.deepEqual(await retry.json(), { calls: 2 });
+  neverRelease();   // the abandoned handler answers at last: nothing is sent or stored
+  const replay = await post("/never", {}, { "idempotency-key": "k-never" });
+  assert.equal(replay.headers.get("idempotent-replayed"), "true");
+  assert.deepEqual(await replay.json(), { calls: 2 });
 });

@@ -7,6 +7,7 @@ import { startCluster } from "./support/cluster.mjs";
 
 let cluster, pool, app;
 let crashAfterFirstPhase = true;
+let neverCalls = 0, neverEntered, neverRelease;
 
 before(async () => {
   cluster = await startCluster();
@@ -43,7 +44,15 @@ before(async () => {
       client.query("UPDATE orders SET state = 'charged', charge = $2 WHERE id = $1", [orderId, charge]));
     return reply.code(201).send({ order: orderId, charge, resumedFrom: idem.recoveryPoint });
   });
-  await app.ready();
+  // Does not answer the first time (until the test lets it).
+  app.post("/never", async () => {
+    if (++neverCalls === 1) {
+      neverEntered();
+      await new Promise((resolve) => { neverRelease = resolve; });
+    }
+    return { calls: neverCalls };
+  });
+  await app.listen({ port: 0, host: "127.0.0.1" });
 });
 
 after(async () => {
@@ -104,4 +113,27 @@ test("multi-phase: a failure between phases is resumed from the recovery point b
   assert.deepEqual(rows, [{ state: "charged", charge: body.charge }]);
   const key = await cluster.query("SELECT idem_downstream_key('t1:POST /checkout', 'f-co', 'charge') AS k");
   assert.equal(body.charge, key.rows[0].k);
+});
+
+test("a client that disconnects from a handler that never answers frees the claim", async () => {
+  const base = `http://127.0.0.1:${app.server.address().port}`;
+  const entered = new Promise((resolve) => { neverEntered = resolve; });
+  const abort = new AbortController();
+  const send = (signal) => fetch(base + "/never", {
+    method: "POST", signal,
+    headers: { "content-type": "application/json", "x-tenant": "t1", "idempotency-key": "f-never" }, body: "{}",
+  });
+  const gone = send(abort.signal).catch(() => "aborted");
+  await entered;
+  abort.abort();
+  assert.equal(await gone, "aborted");
+  // The claim is given up when the connection closes: a retry executes
+  // (it waits for the abandoned attempt's transaction, then claims).
+  const retry = await Promise.race([
+    send(),
+    new Promise((resolve) => setTimeout(resolve, 20_000, "still held after 20 s")),
+  ]);
+  assert.equal(retry.status, 200);
+  assert.deepEqual(await retry.json(), { calls: 2 });
+  neverRelease();
 });

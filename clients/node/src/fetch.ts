@@ -1,6 +1,8 @@
 // A fetch that sends one Idempotency-Key per intent and retries what is safe
-// to retry with it: network errors, 5xx, 429 and 409, with exponential
-// backoff and full jitter, honouring Retry-After, for a bounded time.
+// to retry with it: network errors, 5xx, 429 and a 409 that says "in
+// progress", with exponential backoff and full jitter, honouring Retry-After,
+// for a bounded time. A replayed answer (Idempotent-Replayed: true) is the
+// stored outcome of the intent: it is returned, never retried.
 import { randomUUID } from "node:crypto";
 
 export interface IdempotentFetchOptions {
@@ -18,8 +20,12 @@ export interface IdempotentFetchOptions {
   attemptTimeoutMs?: number;
   /** The request header. Default "Idempotency-Key". */
   header?: string;
-  /** Which statuses are retried. Default: 409, 429 and 5xx. */
-  retryStatus?: (status: number) => boolean;
+  /**
+   * Which answers are retried. Default: 429, 5xx, and 409 with Retry-After or
+   * a problem body (a duplicate in progress; a plain 409 is the domain's
+   * conflict). Whatever it says, a replayed answer is never retried.
+   */
+  retryStatus?: (status: number, response: Response) => boolean;
   /** Called before each wait. */
   onRetry?: (info: RetryInfo) => void;
   /** For tests: a source of randomness in [0, 1). */
@@ -59,7 +65,18 @@ export function retryAfterMs(value: string | null, now = Date.now()): number | u
   return Number.isNaN(date) ? undefined : Math.max(0, date - now);
 }
 
-const defaultRetryStatus = (status: number) => status === 409 || status === 429 || status >= 500;
+/** 429, 5xx, and a 409 that looks like "in progress" (Retry-After, or an RFC 9457 problem). */
+function defaultRetryStatus(status: number, response: Response): boolean {
+  if (status === 429 || status >= 500) return true;
+  if (status !== 409) return false;
+  return response.headers.has("retry-after") ||
+    /^application\/problem\+json\b/i.test(response.headers.get("content-type") ?? "");
+}
+
+/** A stored answer replayed by the service: the intent's outcome, final. */
+function isReplayed(response: Response): boolean {
+  return response.headers.get("idempotent-replayed")?.trim().toLowerCase() === "true";
+}
 
 function sleep(ms: number, signal?: AbortSignal | null): Promise<void> {
   return new Promise((resolve, reject) => {
@@ -98,7 +115,7 @@ export function createIdempotentFetch(options: IdempotentFetchOptions = {}): Ide
         const signals = [AbortSignal.timeout(attemptTimeout)];
         if (requestInit.signal) signals.push(requestInit.signal);
         const response = await doFetch(input, { ...requestInit, headers, signal: AbortSignal.any(signals) });
-        if (!retryStatus(response.status)) return response;
+        if (isReplayed(response) || !retryStatus(response.status, response)) return response;
         lastStatus = response.status;
         lastError = undefined;
         waitAtLeast = retryAfterMs(response.headers.get("retry-after")) ?? 0;

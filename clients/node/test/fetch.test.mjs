@@ -32,7 +32,7 @@ function reset(steps) {
 }
 
 test("one key per intent, kept across retries of network errors, 5xx, 429 and 409", async () => {
-  reset([{ drop: true }, { status: 503 }, { status: 429 }, { status: 409 }, { status: 201 }]);
+  reset([{ drop: true }, { status: 503 }, { status: 429 }, { status: 409, headers: { "retry-after": "0" } }, { status: 201 }]);
   const retries = [];
   const f = createIdempotentFetch({ baseDelayMs: 1, maxDelayMs: 5, onRetry: (i) => retries.push(i) });
   const r = await f(base + "/x", { method: "POST", body: '{"a":1}' });
@@ -54,6 +54,30 @@ test("a caller's key is used as given; 4xx other than 409 and 429 are answers, n
   const r = await f(base + "/x", { method: "POST", body: "{}", idempotencyKey: "intent-7" });
   assert.equal(r.status, 422);
   assert.deepEqual(seen.map((s) => s.key), ["intent-7"]);
+});
+
+test("a 409 is retried only when it says 'in progress'; a replayed answer never", async () => {
+  const f = createIdempotentFetch({ baseDelayMs: 1, maxDelayMs: 2 });
+  // A stored 409 of the service, replayed: the answer, however it looks.
+  reset([{ status: 409, headers: { "idempotent-replayed": "true", "retry-after": "1" } }, { status: 200 }]);
+  let r = await f(base + "/x", { method: "POST", body: "{}" });
+  assert.equal(r.status, 409);
+  assert.equal(seen.length, 1);
+  // Replayed 5xx/429 (a service that stores them) are answers too.
+  reset([{ status: 503, headers: { "idempotent-replayed": "true" } }, { status: 200 }]);
+  r = await f(base + "/x", { method: "POST", body: "{}" });
+  assert.equal(r.status, 503);
+  assert.equal(seen.length, 1);
+  // A business 409 (a conflict of the domain): neither Retry-After nor a problem body.
+  reset([{ status: 409, headers: { "content-type": "application/json" } }, { status: 200 }]);
+  r = await f(base + "/x", { method: "POST", body: "{}" });
+  assert.equal(r.status, 409);
+  assert.equal(seen.length, 1);
+  // In progress: a problem body (without Retry-After) is retried.
+  reset([{ status: 409, headers: { "content-type": "application/problem+json" } }, { status: 200 }]);
+  r = await f(base + "/x", { method: "POST", body: "{}" });
+  assert.equal(r.status, 200);
+  assert.equal(seen.length, 2);
 });
 
 test("Retry-After is honoured", async () => {

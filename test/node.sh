@@ -14,8 +14,13 @@
 #     into $IDEM_NODE_HOME (default /var/cache/idempotency/node), once;
 #   - the npm registry, for `npm ci` of the lockfiles.
 # The extension is built and installed into a staging copy of PostgreSQL
-# ($IDEM_DESTDIR, default /tmp/idempotency-node-pg), never into the system
-# one; IDEM_INSTALLED=1 tests the extension already installed instead.
+# ($IDEM_DESTDIR; default: a directory of this run, removed at its end), never
+# into the system one; IDEM_INSTALLED=1 tests the extension already installed
+# instead.
+#
+# Time limits: each test file of the package fails after 120 s
+# (node --test --test-timeout), the chaos test after 300 s (timeout; it stops
+# itself at about 220 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 top=$(pwd)
@@ -28,7 +33,13 @@ if [ "${IDEM_INSTALLED:-0}" = 1 ]; then
 	unset IDEM_DESTDIR
 	idem_pg_env || fail_all "no PostgreSQL"
 else
-	export IDEM_DESTDIR=${IDEM_DESTDIR:-/tmp/idempotency-node-pg}
+	if [ -z "${IDEM_DESTDIR:-}" ]; then
+		IDEM_DESTDIR=$(mktemp -d /tmp/idempotency-node-pg.XXXXXX) || fail_all "no staging directory"
+		chmod 755 "$IDEM_DESTDIR"   # the server's user reads the library there
+		own_destdir=$IDEM_DESTDIR
+		trap 'rm -rf "$own_destdir"' EXIT
+	fi
+	export IDEM_DESTDIR
 	idem_pg_env || fail_all "no PostgreSQL"
 	idem_build_install || fail_all "build failed"
 fi
@@ -83,7 +94,7 @@ fi
 
 # The package's tests: one result line per test.
 out=$(mktemp /tmp/idempotency-node-tests.XXXXXX)
-(cd clients/node && node --test --test-concurrency=1 --test-reporter=tap test/*.test.mjs) >"$out" 2>&1
+(cd clients/node && timeout -k 10 900 node --test --test-concurrency=1 --test-timeout=120000 --test-reporter=tap test/*.test.mjs) >"$out" 2>&1
 node_status=$?
 while IFS= read -r line; do
 	if [[ $line =~ ^ok\ [0-9]+\ -\ (.*)$ ]]; then
@@ -99,7 +110,7 @@ grep -q '^not ok' "$out" && { echo "--- node test output"; cat "$out"; }
 
 # The chaos test of the example service.
 if [ -f examples/payments/chaos.mjs ]; then
-	if (cd examples/payments && node chaos.mjs) 2>&1 | tee -a "$log" | sed 's/^/  [chaos] /'; [ "${PIPESTATUS[0]}" -eq 0 ]; then
+	if (cd examples/payments && timeout -k 10 300 node chaos.mjs) 2>&1 | tee -a "$log" | sed 's/^/  [chaos] /'; [ "${PIPESTATUS[0]}" -eq 0 ]; then
 		result "chaos" ok
 	else
 		result "chaos" FAILED

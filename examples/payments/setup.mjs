@@ -40,6 +40,20 @@ export async function startWorld({ servicePort = 0, killEvery = 0, receiverFailE
     PGDATABASE: "postgres", PORT: String(servicePort), GATEWAY_URL: gateway.url,
     CHAOS_KILL_EVERY: String(killEvery),
   };
+  const serviceUrl = `http://127.0.0.1:${servicePort}`;
+  // Resolves once the service (re)started answers: polled, however slow the
+  // machine, until stop().
+  let ready;
+  const waitUntilAnswers = async () => {
+    while (!stopping) {
+      try {
+        await fetch(serviceUrl + "/operations/none", { signal: AbortSignal.timeout(5000) });
+        return;
+      } catch {
+        await new Promise((r) => setTimeout(r, 50));
+      }
+    }
+  };
   const startService = () => {
     child = spawn(process.execPath, [here + "service.mjs"], { env, stdio: ["ignore", "pipe", "pipe"] });
     child.stdout.on("data", (d) => log(String(d).trimEnd()));
@@ -50,22 +64,15 @@ export async function startWorld({ servicePort = 0, killEvery = 0, receiverFailE
       log(`service exited (${signal ?? code}); restarting`);
       startService();
     });
+    ready = waitUntilAnswers();
   };
   startService();
-  const serviceUrl = `http://127.0.0.1:${servicePort}`;
-  // Wait until it answers.
-  for (let i = 0; ; i++) {
-    try {
-      await fetch(serviceUrl + "/operations/none");
-      break;
-    } catch {
-      if (i > 200) throw new Error("the service did not start");
-      await new Promise((r) => setTimeout(r, 100));
-    }
-  }
+  await ready;
   return {
     cluster, gateway, receiver, pool, serviceUrl,
     restarts: () => restarts,
+    /** Resolves when the service answers (at once unless it is restarting). */
+    whenReady: () => ready,
     async stop() {
       stopping = true;
       child.kill("SIGKILL");

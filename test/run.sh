@@ -148,8 +148,10 @@ fi
 
 if [ -n "$node_tests" ]; then
 	section "Node.js: the npm package and the chaos test (test/node.sh)"
-	# Its own staging copy of PostgreSQL, so it never touches the one above.
-	env -u IDEM_DESTDIR bash test/node.sh >"$work/node.out" 2>&1
+	# Its own staging copy of PostgreSQL in this run's work directory (removed
+	# with it), so it never touches the one above nor another run's.
+	mkdir -p "$work/node-pg"
+	IDEM_DESTDIR="$work/node-pg" bash test/node.sh >"$work/node.out" 2>&1
 	cat "$work/node.out" >>"$log"
 	grep -E '^test |^  \[chaos\]' "$work/node.out"
 	node_line=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$work/node.out" | tail -n1)

@@ -97,8 +97,8 @@ export interface Idempotency {
 export interface HttpAnswer {
   status: number;
   headers: Record<string, string>;
-  /** Serialized body, or null for none. */
-  body: string | null;
+  /** The body as sent (text, or bytes), or null for none. */
+  body: string | Buffer | null;
 }
 
 export const REPLAYED_HEADER = "Idempotent-Replayed";
@@ -133,7 +133,7 @@ export function parseKey(raw: string | string[] | undefined): string | undefined
 // Headers not stored with a response: hop-by-hop, per connection, or secret.
 const UNSTORED_HEADERS = new Set([
   "connection", "keep-alive", "transfer-encoding", "content-length", "date",
-  "set-cookie", "upgrade", "proxy-connection", REPLAYED_HEADER.toLowerCase(),
+  "set-cookie", "upgrade", "proxy-connection", REPLAYED_HEADER.toLowerCase(), "idempotency-body-encoding",
 ]);
 
 /** The headers of a response worth storing, as strings. */
@@ -151,29 +151,60 @@ function isJsonType(contentType: string | undefined): boolean {
   return contentType !== undefined && /^application\/([a-z0-9.+-]*\+)?json\b/i.test(contentType);
 }
 
-/** The body as stored: parsed JSON for a JSON content type, else the text; null when empty. */
-export function bodyToStore(headers: Record<string, string>, body: string | null): unknown {
-  if (body === null || body === "") return null;
+/**
+ * The stored header that says the stored body is the base64 of bytes that
+ * are not UTF-8 text (or hold a NUL, which jsonb cannot); taken off on replay.
+ */
+export const BODY_ENCODING_HEADER = "idempotency-body-encoding";
+
+const utf8 = new TextDecoder("utf-8", { fatal: true });
+
+/** The bytes as text, if they are UTF-8 without NUL; else undefined. */
+function asText(body: string | Buffer): string | undefined {
+  if (typeof body === "string") return body.includes("\u0000") ? undefined : body;
+  try {
+    const text = utf8.decode(body);
+    return text.includes("\u0000") ? undefined : text;
+  } catch {
+    return undefined;
+  }
+}
+
+/**
+ * The body as stored: parsed JSON for a JSON content type, else the text;
+ * bytes that are not text as base64, marked in the headers; null when empty.
+ */
+export function bodyToStore(headers: Record<string, string>, body: string | Buffer | null): unknown {
+  if (body === null || body.length === 0) return null;
+  const text = asText(body);
+  // jsonb has no NUL: neither in a text nor in a parsed JSON string (\u0000).
+  if (text === undefined || (isJsonType(headers["content-type"]) && text.includes("\\u0000"))) {
+    headers[BODY_ENCODING_HEADER] = "base64";
+    return Buffer.from(body).toString("base64");
+  }
   if (isJsonType(headers["content-type"])) {
     try {
-      return JSON.parse(body);
+      return JSON.parse(text);
     } catch {
       // Not JSON after all: stored as text, replayed as such.
       headers["content-type"] = "text/plain; charset=utf-8";
     }
   }
-  return body;
+  return text;
 }
 
 /** A stored response as an HTTP answer marked as a replay. */
 export function replayAnswer(status: number, headers: Record<string, string> | null, body: unknown): HttpAnswer {
   const h: Record<string, string> = { ...(headers ?? {}) };
+  const base64 = h[BODY_ENCODING_HEADER] === "base64";
+  delete h[BODY_ENCODING_HEADER];
   h[REPLAYED_HEADER.toLowerCase()] = "true";
-  let text: string | null;
-  if (body === null || body === undefined) text = null;
-  else if (typeof body === "string" && !isJsonType(h["content-type"])) text = body;
-  else text = JSON.stringify(body);
-  return { status, headers: h, body: text };
+  let out: string | Buffer | null;
+  if (body === null || body === undefined) out = null;
+  else if (base64 && typeof body === "string") out = Buffer.from(body, "base64");
+  else if (typeof body === "string" && !isJsonType(h["content-type"])) out = body;
+  else out = JSON.stringify(body);
+  return { status, headers: h, body: out };
 }
 
 export type Begin =

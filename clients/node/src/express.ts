@@ -26,7 +26,7 @@ function requestInfo(req: ExpressRequestLike): RequestInfo {
   };
 }
 
-function send(res: ServerResponse, answer: Omit<HttpAnswer, "body"> & { body: string | Buffer | null }): void {
+function send(res: ServerResponse, answer: HttpAnswer): void {
   res.statusCode = answer.status;
   for (const [name, value] of Object.entries(answer.headers)) res.setHeader(name, value);
   if (answer.body === null) res.end();
@@ -108,7 +108,7 @@ export function idempotent<Req extends ExpressRequestLike = ExpressRequestLike>(
       const headers: Record<string, string> = {};
       for (const [name, value] of Object.entries(res.getHeaders()))
         if (value !== undefined) headers[name] = Array.isArray(value) ? value.join(", ") : String(value);
-      const answer: HttpAnswer = { status: res.statusCode, headers, body: body.length === 0 ? null : body.toString("utf8") };
+      const answer: HttpAnswer = { status: res.statusCode, headers, body: body.length === 0 ? null : body };
       session.finish(answer).then((sent) => {
         Object.assign(res, original);
         if (res.headersSent || res.destroyed) {
@@ -119,7 +119,7 @@ export function idempotent<Req extends ExpressRequestLike = ExpressRequestLike>(
         // What was stored, even if the handler changed the status or the
         // headers after its first end().
         for (const name of res.getHeaderNames()) res.removeHeader(name);
-        send(res, sent === answer ? { ...answer, body: body.length === 0 ? null : body } : sent);
+        send(res, sent);
         callLater(cb);
       }).catch((err) => {
         // The answer's fate is unknown to the client: a reset connection

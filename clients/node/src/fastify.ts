@@ -58,10 +58,9 @@ async function idempotencyPlugin(app: FastifyInstance, options: IdempotencyOptio
     const session = sessions.get(req);
     if (!session) return payload;
     sessions.delete(req);
-    let body: string | null;
+    let body: string | Buffer | null;
     if (payload === null || payload === undefined) body = null;
-    else if (typeof payload === "string") body = payload;
-    else if (Buffer.isBuffer(payload)) body = payload.toString("utf8");
+    else if (typeof payload === "string" || Buffer.isBuffer(payload)) body = payload;
     else {
       await session.abandon();
       reply.code(500).header("content-type", "application/problem+json");

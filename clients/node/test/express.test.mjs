@@ -74,6 +74,10 @@ before(async () => {
     }
     res.json({ calls: neverCalls });
   });
+  // Bytes that are not UTF-8 text, with a NUL.
+  app.post("/binary", idempotent({ pool, principal: null }), (req, res) => {
+    res.type("application/octet-stream").send(Buffer.from([0, 255, 1, 0x80, 0xc3, 0x28, 0, 10]));
+  });
   // An error handler answering 500: the claim is released like for any 5xx.
   app.use((err, req, res, next) => res.status(500).json({ error: err.message }));
   await new Promise((resolve) => { server = app.listen(0, "127.0.0.1", resolve); });
@@ -272,4 +276,17 @@ test("a client that disconnects from a handler that never answers frees the clai
   const replay = await post("/never", {}, { "idempotency-key": "k-never" });
   assert.equal(replay.headers.get("idempotent-replayed"), "true");
   assert.deepEqual(await replay.json(), { calls: 2 });
+});
+
+test("a binary body (not UTF-8, with NUL bytes) is stored and replayed byte for byte", async () => {
+  const bytes = [0, 255, 1, 0x80, 0xc3, 0x28, 0, 10];
+  const r1 = await post("/binary", {}, { "idempotency-key": "k-bin" });
+  assert.equal(r1.status, 200);
+  assert.deepEqual([...new Uint8Array(await r1.arrayBuffer())], bytes);
+  const r2 = await post("/binary", {}, { "idempotency-key": "k-bin" });
+  assert.equal(r2.status, 200);
+  assert.equal(r2.headers.get("idempotent-replayed"), "true");
+  assert.equal(r2.headers.get("content-type"), "application/octet-stream");
+  assert.equal(r2.headers.get("idempotency-body-encoding"), null);
+  assert.deepEqual([...new Uint8Array(await r2.arrayBuffer())], bytes);
 });

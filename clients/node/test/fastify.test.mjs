@@ -44,6 +44,8 @@ before(async () => {
       client.query("UPDATE orders SET state = 'charged', charge = $2 WHERE id = $1", [orderId, charge]));
     return reply.code(201).send({ order: orderId, charge, resumedFrom: idem.recoveryPoint });
   });
+  app.post("/binary", async (req, reply) =>
+    reply.type("image/png").send(Buffer.from([0x89, 0x50, 0, 0xff, 0xfe, 0])));
   // Does not answer the first time (until the test lets it).
   app.post("/never", async () => {
     if (++neverCalls === 1) {
@@ -90,6 +92,16 @@ test("a 5xx is not stored and its writes roll back", async () => {
   }
   const { rows } = await cluster.query("SELECT count(*)::int AS n FROM orders WHERE amount = 3");
   assert.equal(rows[0].n, 0);
+});
+
+test("a binary body is stored and replayed byte for byte", async () => {
+  const r1 = await post("/binary", {}, { "idempotency-key": "f-bin" });
+  assert.equal(r1.statusCode, 200);
+  assert.deepEqual([...r1.rawPayload], [0x89, 0x50, 0, 0xff, 0xfe, 0]);
+  const r2 = await post("/binary", {}, { "idempotency-key": "f-bin" });
+  assert.equal(r2.headers["idempotent-replayed"], "true");
+  assert.equal(r2.headers["content-type"], "image/png");
+  assert.deepEqual([...r2.rawPayload], [0x89, 0x50, 0, 0xff, 0xfe, 0]);
 });
 
 test("a route can opt out", async () => {

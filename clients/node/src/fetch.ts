@@ -41,7 +41,7 @@ export interface RetryInfo {
 }
 
 export interface IdempotentRequestInit extends RequestInit {
-  /** The intent's key; generated (a UUID) when absent. */
+  /** The intent's key (or send it as the Idempotency-Key header); generated (a UUID) when absent. */
   idempotencyKey?: string;
 }
 
@@ -102,8 +102,12 @@ export function createIdempotentFetch(options: IdempotentFetchOptions = {}): Ide
     const { idempotencyKey, ...requestInit } = init;
     if (requestInit.body && typeof (requestInit.body as any).getReader === "function")
       throw new TypeError("idempotent fetch: a stream body cannot be resent; pass a string or bytes");
-    const key = idempotencyKey ?? randomUUID();
     const headers = new Headers(requestInit.headers);
+    // The caller's own key (option or header) is the intent's; else a new one.
+    const fromHeader = headers.get(headerName);
+    if (idempotencyKey !== undefined && fromHeader !== null && fromHeader !== idempotencyKey)
+      throw new TypeError(`idempotent fetch: idempotencyKey and the ${headerName} header differ`);
+    const key = idempotencyKey ?? fromHeader ?? randomUUID();
     headers.set(headerName, key);
     const started = Date.now();
     let lastStatus: number | undefined;

@@ -80,6 +80,14 @@ test("a 409 is retried only when it says 'in progress'; a replayed answer never"
   assert.equal(seen.length, 2);
 });
 
+test("a caller's own Idempotency-Key header is kept on every attempt", async () => {
+  reset([{ status: 503 }, { status: 200 }]);
+  const f = createIdempotentFetch({ baseDelayMs: 1 });
+  const r = await f(base + "/x", { method: "POST", body: "{}", headers: { "Idempotency-Key": "from-header" } });
+  assert.equal(r.status, 200);
+  assert.deepEqual(seen.map((s) => s.key), ["from-header", "from-header"]);
+});
+
 test("Retry-After is honoured", async () => {
   reset([{ status: 409, headers: { "retry-after": "1" } }, { status: 200 }]);
   const f = createIdempotentFetch({ baseDelayMs: 1, maxDelayMs: 2 });

@@ -143,6 +143,19 @@ CREATE FUNCTION status_499(request jsonb) RETURNS idem_response
 LANGUAGE sql AS $$ SELECT ROW(499, NULL, NULL)::idem_response $$;
 SELECT status, replayed FROM idem_execute('bank:POST /transfers', 'x-9', '{}', 'status_499(jsonb)');
 SELECT status, replayed FROM idem_execute('bank:POST /transfers', 'x-9', '{}', 'status_499(jsonb)');
+-- A 5xx that is not stored is not held to the storage limit
+-- (idempotency.max_response_bytes, 1 MB): a 2 MB 503 is answered as it came.
+-- Stored (store_server_errors = on), it is refused like any response.
+CREATE FUNCTION large_unavailable(request jsonb) RETURNS idem_response
+LANGUAGE sql AS $$
+	SELECT ROW(503, NULL, jsonb_build_object('page', repeat('x', 2 * 1024 * 1024)))::idem_response
+$$;
+SELECT status, length(body->>'page') AS page_length, replayed
+  FROM idem_execute('bank:POST /transfers', 'x-12', '{}', 'large_unavailable(jsonb)');
+SELECT count(*) AS stored FROM idem_replay('bank:POST /transfers', 'x-12');
+SET idempotency.store_server_errors = on;
+SELECT status FROM idem_execute('bank:POST /transfers', 'x-12', '{}', 'large_unavailable(jsonb)');
+RESET idempotency.store_server_errors;
 -- idempotency.store_server_errors = on stores a 5xx like any response.
 SET idempotency.store_server_errors = on;
 SELECT status, replayed FROM idem_execute('bank:POST /transfers', 'x-10', '{"amount": 4}', 'unavailable_transfer(jsonb)');
@@ -170,7 +183,7 @@ SELECT count(*) AS handler_writes FROM transfers WHERE amount IN (-1, -2);
 
 SELECT count(*) AS transfers FROM transfers;
 DROP FUNCTION create_transfer(jsonb), flaky_transfer(jsonb), bad_status(jsonb),
-	unavailable_transfer(jsonb), status_499(jsonb),
+	unavailable_transfer(jsonb), status_499(jsonb), large_unavailable(jsonb),
 	null_response(jsonb), null_status(jsonb), wrong_arg(text), wrong_result(jsonb),
 	wrong_set(jsonb), echo_request(jsonb);
 DROP PROCEDURE wrong_kind(jsonb);

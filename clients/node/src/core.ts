@@ -57,8 +57,12 @@ export interface RequestInfo {
 export interface IdempotencyOptions<Req = any> {
   /** A pg.Pool (or anything with connect()) of a database with the idempotency extension. */
   pool: PoolLike;
-  /** The authenticated principal (tenant, user): part of the default scope. Never take it from the body. */
-  principal?: (req: Req) => string | undefined | null;
+  /**
+   * The authenticated principal (tenant, user): part of the default scope.
+   * Never take it from the body. Required (unless scope is given): null says
+   * on purpose that all callers share one key space.
+   */
+  principal?: ((req: Req) => string | undefined | null) | null;
   /** The scope of the key. Default: "<principal>:<METHOD> <route pattern>". */
   scope?: (req: Req, info: RequestInfo) => string;
   /** What identifies the request besides its key. Default: the JSON body, with the path parameters if there are any. */
@@ -104,6 +108,20 @@ export interface HttpAnswer {
 export const REPLAYED_HEADER = "Idempotent-Replayed";
 
 const MAX_KEY_BYTES = 255;
+
+/**
+ * Refuse options that do not say whose keys they are: without a principal in
+ * the scope, one user's key replays another user's response.
+ */
+export function checkOptions(options: IdempotencyOptions<any>): void {
+  if (!options || typeof options.pool?.connect !== "function")
+    throw new TypeError("idempotency: the pool option (a pg.Pool) is required");
+  if (options.scope !== undefined) return;
+  if (options.principal !== null && typeof options.principal !== "function")
+    throw new TypeError(
+      "idempotency: pass principal: (req) => the authenticated tenant or user id (part of the key's scope), " +
+      "or principal: null if every caller may share one key space");
+}
 
 /** An RFC 9457 problem answer. */
 export function problem(status: number, title: string, detail: string,

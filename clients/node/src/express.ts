@@ -1,7 +1,7 @@
 // Express 5 middleware: claim the key before the handler, store its response
 // in the same transaction before the response leaves.
 import type { IncomingMessage, ServerResponse } from "node:http";
-import { begin, type HttpAnswer, type Idempotency, type IdempotencyOptions, type RequestInfo } from "./core.js";
+import { begin, checkOptions, type HttpAnswer, type Idempotency, type IdempotencyOptions, type RequestInfo } from "./core.js";
 
 /** The parts of an Express request the middleware reads. */
 export interface ExpressRequestLike extends IncomingMessage {
@@ -48,6 +48,7 @@ function toBuffer(chunk: unknown, encoding?: unknown): Buffer {
  *   app.post("/payments", idempotent({ pool }), handler)
  */
 export function idempotent<Req extends ExpressRequestLike = ExpressRequestLike>(options: IdempotencyOptions<Req>) {
+  checkOptions(options);
   return async function idempotencyMiddleware(req: Req, res: ServerResponse, next: Next): Promise<void> {
     let started;
     try {

@@ -1,6 +1,6 @@
 // Fastify 5 plugin: the same flow as the Express middleware, with hooks.
 import type { FastifyInstance, FastifyReply, FastifyRequest } from "fastify";
-import { begin, type HttpAnswer, type Idempotency, type IdempotencyOptions, type RequestInfo, type Session } from "./core.js";
+import { begin, checkOptions, type HttpAnswer, type Idempotency, type IdempotencyOptions, type RequestInfo, type Session } from "./core.js";
 
 declare module "fastify" {
   interface FastifyRequest {
@@ -31,6 +31,7 @@ function replyWith(reply: FastifyReply, answer: HttpAnswer): FastifyReply {
 }
 
 async function idempotencyPlugin(app: FastifyInstance, options: IdempotencyOptions<FastifyRequest>): Promise<void> {
+  checkOptions(options);
   app.decorateRequest("idempotency", null);
 
   app.addHook("preHandler", async (req, reply) => {

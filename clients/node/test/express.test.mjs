@@ -29,15 +29,15 @@ before(async () => {
     if (amount <= 0) return res.status(402).json({ error: "declined" });
     res.status(201).location(`/payments/${rows[0].id}`).json({ id: rows[0].id, amount });
   });
-  app.post("/held", idempotent({ pool: impatientPool }), async (req, res) => {
+  app.post("/held", idempotent({ pool: impatientPool, principal: null }), async (req, res) => {
     inHandler();
     await new Promise((resolve) => { releaseHandler = resolve; });
     res.status(200).json({ done: true });
   });
-  app.post("/optional", idempotent({ pool, required: false }), (req, res) => {
+  app.post("/optional", idempotent({ pool, principal: null, required: false }), (req, res) => {
     res.json({ idempotency: req.idempotency ? req.idempotency.key : null });
   });
-  app.post("/text", idempotent({ pool }), (req, res) => {
+  app.post("/text", idempotent({ pool, principal: null }), (req, res) => {
     res.type("text/plain").send("plain answer");
   });
   // A handler that writes the head itself.
@@ -289,4 +289,10 @@ test("a binary body (not UTF-8, with NUL bytes) is stored and replayed byte for 
   assert.equal(r2.headers.get("content-type"), "application/octet-stream");
   assert.equal(r2.headers.get("idempotency-body-encoding"), null);
   assert.deepEqual([...new Uint8Array(await r2.arrayBuffer())], bytes);
+});
+
+test("the options must say whose keys they are: principal, or principal: null", async () => {
+  assert.throws(() => idempotent({ pool }), /principal/);
+  assert.doesNotThrow(() => idempotent({ pool, principal: null }));
+  assert.doesNotThrow(() => idempotent({ pool, scope: () => "s" }));
 });

@@ -149,3 +149,9 @@ test("a client that disconnects from a handler that never answers frees the clai
   assert.deepEqual(await retry.json(), { calls: 2 });
   neverRelease();
 });
+
+test("the plugin refuses options without principal (or principal: null)", async () => {
+  const other = Fastify();
+  await assert.rejects(other.register(fastifyIdempotency, { pool }).ready(), /principal/);
+  await other.close();
+});

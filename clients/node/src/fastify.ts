@@ -42,6 +42,12 @@ async function idempotencyPlugin(app: FastifyInstance, options: IdempotencyOptio
     if (started.kind === "answer") return replyWith(reply, started.answer);
     sessions.set(req, started.session);
     req.idempotency = started.session;
+    // A hijacked reply would leave without being stored, its writes rolled
+    // back: refuse it, before anything is sent (the handler's error is a 500).
+    reply.hijack = () => {
+      throw new Error("idempotency: reply.hijack() is not supported on an idempotent route " +
+        "(the response must be stored before it leaves); use config: { idempotency: false } on this route");
+    };
     // The client went away before the handler answered: give the claim up
     // now rather than when (if ever) the handler ends; its retry executes.
     // (Fastify's onRequestAbort only fires for a request whose body was not

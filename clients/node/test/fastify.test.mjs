@@ -46,6 +46,10 @@ before(async () => {
   });
   app.post("/binary", async (req, reply) =>
     reply.type("image/png").send(Buffer.from([0x89, 0x50, 0, 0xff, 0xfe, 0])));
+  app.post("/hijacked", async (req, reply) => {
+    reply.hijack();
+    reply.raw.end("sent around the middleware");
+  });
   // Does not answer the first time (until the test lets it).
   app.post("/never", async () => {
     if (++neverCalls === 1) {
@@ -154,4 +158,12 @@ test("the plugin refuses options without principal (or principal: null)", async 
   const other = Fastify();
   await assert.rejects(other.register(fastifyIdempotency, { pool }).ready(), /principal/);
   await other.close();
+});
+
+test("reply.hijack() on an idempotent route fails loudly, before anything is sent", async () => {
+  const r = await post("/hijacked", {}, { "idempotency-key": "f-hijack" });
+  assert.equal(r.statusCode, 500);
+  assert.match(r.body, /hijack/);
+  const { rows } = await cluster.query("SELECT count(*)::int AS n FROM idem_replay('t1:POST /hijacked', 'f-hijack')");
+  assert.equal(rows[0].n, 0);
 });

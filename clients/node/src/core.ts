@@ -77,6 +77,14 @@ export interface IdempotencyOptions<Req = any> {
   lease?: string;
   /** The request header. Default "Idempotency-Key". */
   header?: string;
+  /**
+   * How long a duplicate waits for the claim of a request in flight before
+   * it is answered 409 + Retry-After, in ms (SET LOCAL
+   * idempotency.wait_timeout in the claim's transaction). Each waiting
+   * duplicate holds a pooled connection meanwhile. Default: the server's
+   * idempotency.wait_timeout.
+   */
+  waitTimeout?: number;
 }
 
 /** What a handler finds on req.idempotency. */
@@ -267,6 +275,9 @@ export async function begin<Req>(options: IdempotencyOptions<Req>, req: Req, inf
   let row: any;
   try {
     await client.query("BEGIN");
+    if (options.waitTimeout !== undefined)
+      await client.query("SELECT pg_catalog.set_config('idempotency.wait_timeout', $1, true)",
+        [`${Math.max(0, Math.round(options.waitTimeout))}ms`]);
     const result = await client.query(
       `SELECT outcome, status, headers, body, retry_after, token::text AS token, recovery_point
          FROM idem_claim($1, $2, $3::jsonb, $4::interval, $5::interval)`,

@@ -7,12 +7,14 @@ import { startCluster } from "./support/cluster.mjs";
 
 let cluster, pool, impatientPool, server, base;
 let neverCalls = 0, neverEntered, neverRelease;
+let patientPool, shortEntered, shortRelease;
 let inHandler, releaseHandler;
 
 before(async () => {
   cluster = await startCluster();
   pool = cluster.pool({ max: 10 });
   impatientPool = cluster.pool({ max: 2, options: "-c idempotency.wait_timeout=0" });
+  patientPool = cluster.pool({ max: 3, options: "-c idempotency.wait_timeout=600s" });
   await cluster.query("CREATE TABLE payments (id serial PRIMARY KEY, tenant text, amount int, note text)");
 
   const app = express();
@@ -77,6 +79,12 @@ before(async () => {
   // Bytes that are not UTF-8 text, with a NUL.
   app.post("/binary", idempotent({ pool, principal: null }), (req, res) => {
     res.type("application/octet-stream").send(Buffer.from([0, 255, 1, 0x80, 0xc3, 0x28, 0, 10]));
+  });
+  // Duplicates wait at most 0 ms for the claim here, whatever the server's setting.
+  app.post("/short-wait", idempotent({ pool: patientPool, principal: null, waitTimeout: 0 }), async (req, res) => {
+    shortEntered();
+    await new Promise((resolve) => { shortRelease = resolve; });
+    res.json({ done: true });
   });
   // An error handler answering 500: the claim is released like for any 5xx.
   app.use((err, req, res, next) => res.status(500).json({ error: err.message }));
@@ -295,4 +303,17 @@ test("the options must say whose keys they are: principal, or principal: null", 
   assert.throws(() => idempotent({ pool }), /principal/);
   assert.doesNotThrow(() => idempotent({ pool, principal: null }));
   assert.doesNotThrow(() => idempotent({ pool, scope: () => "s" }));
+});
+
+test("waitTimeout: a duplicate waits that long for the claim, not idempotency.wait_timeout", async () => {
+  const entered = new Promise((resolve) => { shortEntered = resolve; });
+  const first = post("/short-wait", {}, { "idempotency-key": "k-short" });
+  await entered;
+  const dup = await Promise.race([
+    post("/short-wait", {}, { "idempotency-key": "k-short" }),
+    new Promise((resolve) => setTimeout(resolve, 20_000, { status: "still waiting after 20 s" })),
+  ]);
+  assert.equal(dup.status, 409);
+  shortRelease();
+  assert.equal((await first).status, 200);
 });

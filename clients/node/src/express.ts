@@ -45,7 +45,7 @@ function toBuffer(chunk: unknown, encoding?: unknown): Buffer {
 /**
  * The middleware. Mount it on the routes it protects (so that the scope has
  * the route pattern), after the body parser:
- *   app.post("/payments", idempotent({ pool }), handler)
+ *   app.post("/payments", idempotent({ pool, principal: (req) => req.user.id }), handler)
  */
 export function idempotent<Req extends ExpressRequestLike = ExpressRequestLike>(options: IdempotencyOptions<Req>) {
   checkOptions(options);
@@ -113,7 +113,8 @@ export function idempotent<Req extends ExpressRequestLike = ExpressRequestLike>(
       session.finish(answer).then((sent) => {
         Object.assign(res, original);
         if (res.headersSent || res.destroyed) {
-          // Cannot happen with the methods above held back; never send half an answer.
+          // The client went away meanwhile (nothing can have been sent with
+          // the methods above held back): the retry replays what was stored.
           res.destroy();
           return;
         }

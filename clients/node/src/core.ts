@@ -317,8 +317,13 @@ export async function begin<Req>(options: IdempotencyOptions<Req>, req: Req, inf
 /** A claimed request: the handler's transaction (or phases), then its stored response. */
 export class Session implements Idempotency {
   readonly client: TransactionClient;
+  /** The request has ended (answered, or abandoned by its client): no more work on the connection. */
   private finished = false;
   private inPhase = false;
+  /** Operations of the handler running on the connection (a phase, extend, downstreamKey, a query). */
+  private busy = 0;
+  /** Abandoned while busy: the last running operation gives the claim and the connection up. */
+  private cleanupPending = false;
 
   private readonly raw: PoolClientLike;
 
@@ -328,43 +333,69 @@ export class Session implements Idempotency {
     this.raw = checkedOut.raw;
     this.client = {
       query: (text: string, values?: unknown[]) => {
-        if (this.finished)
-          return Promise.reject(new Error("idempotency: this request's transaction has ended"));
-        if (this.lease && !this.inPhase)
+        if (this.lease && !this.inPhase && !this.finished)
           return Promise.reject(new Error("idempotency: with a lease, write inside idempotency.phase()"));
-        return this.raw.query(text, values);
+        return this.running(() => this.raw.query(text, values));
       },
     };
+  }
+
+  /**
+   * Run one operation of the handler on the connection, unless the request
+   * has ended: once it has, the connection may belong to another request.
+   * The last operation running when the request was abandoned gives the
+   * claim and the connection up.
+   */
+  private async running<T>(work: () => Promise<T>): Promise<T> {
+    if (this.finished)
+      throw new Error("idempotency: this request has ended (answered, or its client went away)");
+    this.busy++;
+    try {
+      return await work();
+    } finally {
+      this.busy--;
+      if (this.busy === 0 && this.cleanupPending) {
+        this.cleanupPending = false;
+        await this.giveUp();
+      }
+    }
   }
 
   async phase<T>(recoveryPoint: string, work: (client: TransactionClient) => Promise<T>): Promise<T> {
     if (!this.lease) throw new Error("idempotency: phase() needs the lease option");
     if (this.inPhase) throw new Error("idempotency: phases do not nest");
-    this.inPhase = true;
-    try {
-      await this.raw.query("BEGIN");
-      await this.raw.query("SELECT idem_checkpoint($1, $2, $3::bigint, $4)",
-        [this.scope, this.key, this.token, recoveryPoint]);
-      const result = await work(this.client);
-      await this.raw.query("COMMIT");
-      return result;
-    } catch (err) {
-      await this.raw.query("ROLLBACK").catch(() => undefined);
-      throw err;
-    } finally {
-      this.inPhase = false;
-    }
+    return this.running(async () => {
+      this.inPhase = true;
+      try {
+        await this.raw.query("BEGIN");
+        await this.raw.query("SELECT idem_checkpoint($1, $2, $3::bigint, $4)",
+          [this.scope, this.key, this.token, recoveryPoint]);
+        const result = await work(this.client);
+        // Abandoned while the work ran: its retry redoes this phase.
+        if (this.finished)
+          throw new Error("idempotency: this request has ended (its client went away) during phase " + recoveryPoint);
+        await this.raw.query("COMMIT");
+        return result;
+      } catch (err) {
+        await this.raw.query("ROLLBACK").catch(() => undefined);
+        throw err;
+      } finally {
+        this.inPhase = false;
+      }
+    });
   }
 
   async extend(lease?: string): Promise<Date> {
     if (!this.lease) throw new Error("idempotency: extend() needs the lease option");
-    const r = await this.raw.query("SELECT idem_extend($1, $2, $3::bigint, $4::interval) AS until",
-      [this.scope, this.key, this.token, lease ?? this.lease]);
+    const r = await this.running(() => this.raw.query(
+      "SELECT idem_extend($1, $2, $3::bigint, $4::interval) AS until",
+      [this.scope, this.key, this.token, lease ?? this.lease]));
     return r.rows[0].until;
   }
 
   async downstreamKey(label: string): Promise<string> {
-    const r = await this.raw.query("SELECT idem_downstream_key($1, $2, $3) AS k", [this.scope, this.key, label]);
+    const r = await this.running(() => this.raw.query(
+      "SELECT idem_downstream_key($1, $2, $3) AS k", [this.scope, this.key, label]));
     return r.rows[0].k;
   }
 
@@ -409,10 +440,24 @@ export class Session implements Idempotency {
     }
   }
 
-  /** Give up without an answer (the request was abandoned): roll back and free the connection. */
+  /**
+   * Give up without an answer (the client went away): roll back, release the
+   * claim and free the connection; if the handler is running something on
+   * the connection, that operation does it when it ends (never hand a
+   * connection in use, or in a transaction, back to the pool).
+   */
   async abandon(): Promise<void> {
     if (this.finished) return;
     this.finished = true;
+    if (this.busy > 0) {
+      this.cleanupPending = true;
+      return;
+    }
+    await this.giveUp();
+  }
+
+  /** Roll back (or release the lease) and give the connection back to the pool. */
+  private async giveUp(): Promise<void> {
     let broken: Error | undefined;
     try {
       if (this.lease)

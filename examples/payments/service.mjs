@@ -4,7 +4,7 @@
 // process (SIGKILL) between the gateway charge and the phase that records it.
 import express from "express";
 import pg from "pg";
-import { idempotent } from "@idempotency/pg";
+import { defaultScope, idempotent } from "@idempotency/pg";
 
 const pool = new pg.Pool({ max: 20 });
 const gateway = process.env.GATEWAY_URL;
@@ -88,7 +88,7 @@ app.get("/operations/:key", async (req, res) => {
   const { rows } = await pool.query(
     `SELECT s.scope, r.state, r.status, r.body, r.completed_at, r.expires_at
        FROM unnest($2::text[]) AS s(scope), LATERAL idem_replay(s.scope, $1) AS r`,
-    [req.params.key, [`${tenant}:POST /payments`, `${tenant}:POST /payments/:id/capture`]]);
+    [req.params.key, [defaultScope(tenant, "POST", "/payments"), defaultScope(tenant, "POST", "/payments/:id/capture")]]);
   if (rows.length === 0) return res.status(404).json({ error: "unknown or expired key" });
   res.json(rows[0]);
 });

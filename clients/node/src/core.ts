@@ -60,10 +60,12 @@ export interface IdempotencyOptions<Req = any> {
   /**
    * The authenticated principal (tenant, user): part of the default scope.
    * Never take it from the body. Required (unless scope is given): null says
-   * on purpose that all callers share one key space.
+   * on purpose that all callers share one key space. A function that returns
+   * null, undefined or "" for a request refuses it (500 "No principal"):
+   * give anonymous callers an explicit value (e.g. "anonymous").
    */
   principal?: ((req: Req) => string | undefined | null) | null;
-  /** The scope of the key. Default: "<principal>:<METHOD> <route pattern>". */
+  /** The scope of the key. Default: defaultScope(principal, method, route pattern), e.g. `"tenant-42" POST /payments`. */
   scope?: (req: Req, info: RequestInfo) => string;
   /** What identifies the request besides its key. Default: the JSON body, with the path parameters if there are any. */
   fingerprint?: (req: Req, info: RequestInfo) => unknown;
@@ -243,6 +245,17 @@ function defaultFingerprint(info: RequestInfo): unknown {
   return Object.keys(info.params).length > 0 ? { params: info.params, body } : body;
 }
 
+/**
+ * The default scope: the principal (JSON-encoded, so that no principal can
+ * spell another principal's scope), the method and the route pattern, e.g.
+ * `"tenant-42" POST /payments`; without a principal (principal: null),
+ * `POST /payments`.
+ */
+export function defaultScope(principal: string | null, method: string, route: string): string {
+  const operation = `${method.toUpperCase()} ${route}`;
+  return principal === null ? operation : `${JSON.stringify(principal)} ${operation}`;
+}
+
 /** Claim the request's key, or say how to answer it instead. */
 export async function begin<Req>(options: IdempotencyOptions<Req>, req: Req, info: RequestInfo): Promise<Begin> {
   const methods = (options.methods ?? ["POST", "PATCH"]).map((m) => m.toUpperCase());
@@ -264,10 +277,23 @@ export async function begin<Req>(options: IdempotencyOptions<Req>, req: Req, inf
         "An idempotency key is 1 to 255 printable ASCII characters, bare or as a quoted string."),
     };
 
-  const principal = options.principal?.(req);
-  const scope = options.scope
-    ? options.scope(req, info)
-    : `${principal ? `${principal}:` : ""}${info.method.toUpperCase()} ${info.route}`;
+  let scope: string;
+  if (options.scope) scope = options.scope(req, info);
+  else if (options.principal === null || options.principal === undefined)
+    scope = defaultScope(null, info.method, info.route);
+  else {
+    // Fail closed: without its principal the request would share the key
+    // space of every other caller whose principal is missing.
+    const principal = options.principal(req);
+    if (principal === null || principal === undefined || principal === "")
+      return {
+        kind: "answer",
+        answer: problem(500, "No principal",
+          "The idempotency middleware found no principal for this request: it runs before authentication, " +
+          "or the principal option returned nothing. Anonymous callers need an explicit principal value."),
+      };
+    scope = defaultScope(String(principal), info.method, info.route);
+  }
   const fingerprint = options.fingerprint ? options.fingerprint(req, info) : defaultFingerprint(info);
 
   const checkedOut = new CheckedOut(await options.pool.connect());

@@ -34,7 +34,16 @@ async function idempotencyPlugin(app: FastifyInstance, options: IdempotencyOptio
   checkOptions(options);
   app.decorateRequest("idempotency", null);
 
-  app.addHook("preHandler", async (req, reply) => {
+  // The claim runs as the last preHandler of each route, after the route's
+  // own (where authentication, e.g. @fastify/auth, sets the principal): an
+  // app-level preHandler hook would run before them.
+  app.addHook("onRoute", (route) => {
+    if ((route.config as { idempotency?: unknown } | undefined)?.idempotency === false) return;
+    const own = route.preHandler;
+    route.preHandler = own === undefined ? [claim] : Array.isArray(own) ? [...own, claim] : [own, claim];
+  });
+
+  async function claim(req: FastifyRequest, reply: FastifyReply): Promise<unknown> {
     const routeConfig = (req.routeOptions.config as { idempotency?: false | object }).idempotency;
     if (routeConfig === false) return;
     const started = await begin({ ...options, ...(routeConfig ?? {}) }, req, requestInfo(req));
@@ -59,7 +68,8 @@ async function idempotencyPlugin(app: FastifyInstance, options: IdempotencyOptio
         session.abandon().catch(() => undefined);
       }
     });
-  });
+    return undefined;
+  }
 
   app.addHook("onSend", async (req, reply, payload) => {
     const session = sessions.get(req);

@@ -183,7 +183,7 @@ test("a thrown error releases the claim; the retry executes", async () => {
   assert.equal(await count("amount = 30"), 0);
   // The retry with the same request (the failure was transient in reality):
   const { rows } = await cluster.query(
-    "SELECT count(*)::int AS n FROM idem_replay('t1:POST /payments', 'k-throw')");
+    "SELECT count(*)::int AS n FROM idem_replay('\"t1\" POST /payments', 'k-throw')");
   assert.equal(rows[0].n, 0);
 });
 

@@ -127,7 +127,7 @@ test("multi-phase: a failure between phases is resumed from the recovery point b
   assert.deepEqual(r3.json(), body);
   const { rows } = await cluster.query("SELECT state, charge FROM orders WHERE amount = 9");
   assert.deepEqual(rows, [{ state: "charged", charge: body.charge }]);
-  const key = await cluster.query("SELECT idem_downstream_key('t1:POST /checkout', 'f-co', 'charge') AS k");
+  const key = await cluster.query("SELECT idem_downstream_key('\"t1\" POST /checkout', 'f-co', 'charge') AS k");
   assert.equal(body.charge, key.rows[0].k);
 });
 
@@ -164,6 +164,6 @@ test("reply.hijack() on an idempotent route fails loudly, before anything is sen
   const r = await post("/hijacked", {}, { "idempotency-key": "f-hijack" });
   assert.equal(r.statusCode, 500);
   assert.match(r.body, /hijack/);
-  const { rows } = await cluster.query("SELECT count(*)::int AS n FROM idem_replay('t1:POST /hijacked', 'f-hijack')");
+  const { rows } = await cluster.query("SELECT count(*)::int AS n FROM idem_replay('\"t1\" POST /hijacked', 'f-hijack')");
   assert.equal(rows[0].n, 0);
 });

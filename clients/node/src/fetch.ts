@@ -54,7 +54,7 @@ export class IdempotentRequestError extends Error {
   }
 }
 
-export type IdempotentFetch = (input: string | URL, init?: IdempotentRequestInit) => Promise<Response>;
+export type IdempotentFetch = (input: string | URL | Request, init?: IdempotentRequestInit) => Promise<Response>;
 
 /** Seconds or an HTTP date, in ms from now; undefined if absent or unreadable. */
 export function retryAfterMs(value: string | null, now = Date.now()): number | undefined {
@@ -87,6 +87,33 @@ function sleep(ms: number, signal?: AbortSignal | null): Promise<void> {
   });
 }
 
+/** A body that can be read only once: a web ReadableStream, a Node.js Readable, an async iterable. */
+function isOneShotBody(body: unknown): body is AsyncIterable<unknown> | ReadableStream {
+  if (body === null || typeof body !== "object") return false;
+  if (ArrayBuffer.isView(body) || body instanceof ArrayBuffer || body instanceof Blob ||
+      body instanceof FormData || body instanceof URLSearchParams)
+    return false;
+  return typeof (body as any).getReader === "function" || typeof (body as any)[Symbol.asyncIterator] === "function";
+}
+
+/** Read a one-shot body into memory, so that every attempt sends the same bytes. */
+async function readBody(body: AsyncIterable<unknown> | ReadableStream): Promise<Buffer> {
+  const chunks: Buffer[] = [];
+  const iterable: AsyncIterable<unknown> = typeof (body as any)[Symbol.asyncIterator] === "function"
+    ? body as AsyncIterable<unknown>
+    : (async function* () {
+      const reader = (body as ReadableStream).getReader();
+      for (;;) {
+        const { done, value } = await reader.read();
+        if (done) return;
+        yield value;
+      }
+    })();
+  for await (const chunk of iterable)
+    chunks.push(typeof chunk === "string" ? Buffer.from(chunk) : Buffer.from(chunk as Uint8Array));
+  return Buffer.concat(chunks);
+}
+
 export function createIdempotentFetch(options: IdempotentFetchOptions = {}): IdempotentFetch {
   const doFetch = options.fetch ?? globalThis.fetch;
   const maxElapsed = options.maxElapsedMs ?? 30_000;
@@ -99,9 +126,23 @@ export function createIdempotentFetch(options: IdempotentFetchOptions = {}): Ide
   const random = options.random ?? Math.random;
 
   return async function idempotentFetch(input, init = {}) {
-    const { idempotencyKey, ...requestInit } = init;
-    if (requestInit.body && typeof (requestInit.body as any).getReader === "function")
-      throw new TypeError("idempotent fetch: a stream body cannot be resent; pass a string or bytes");
+    let { idempotencyKey, ...requestInit } = init;
+    // A Request's body can be read once: take its parts, init overriding them.
+    if (typeof Request !== "undefined" && input instanceof Request) {
+      const request = input;
+      input = request.url;
+      requestInit = {
+        method: request.method, headers: request.headers, signal: request.signal,
+        redirect: request.redirect, credentials: request.credentials, referrer: request.referrer,
+        body: request.body === null ? undefined : Buffer.from(await request.arrayBuffer()),
+        ...requestInit,
+      };
+    }
+    // A stream body is sent on every attempt: read it into memory once.
+    if (isOneShotBody(requestInit.body)) {
+      requestInit = { ...requestInit, body: await readBody(requestInit.body) };
+      delete (requestInit as { duplex?: unknown }).duplex;
+    }
     const headers = new Headers(requestInit.headers);
     // The caller's own key (option or header) is the intent's; else a new one.
     const fromHeader = headers.get(headerName);
@@ -115,27 +156,34 @@ export function createIdempotentFetch(options: IdempotentFetchOptions = {}): Ide
 
     for (let attempt = 1; ; attempt++) {
       let waitAtLeast = 0;
+      // This attempt's time limit, within maxElapsedMs, ends when its
+      // headers arrive: the body of an answer follows the caller's signal only.
+      const timeLeft = maxElapsed - (Date.now() - started);
+      const attemptLimit = new AbortController();
+      const timer = setTimeout(
+        () => attemptLimit.abort(new DOMException("the attempt timed out", "TimeoutError")),
+        Math.max(0, Math.min(attemptTimeout, timeLeft)));
       try {
-        const signals = [AbortSignal.timeout(attemptTimeout)];
-        if (requestInit.signal) signals.push(requestInit.signal);
-        const response = await doFetch(input, { ...requestInit, headers, signal: AbortSignal.any(signals) });
+        const signal = requestInit.signal ? AbortSignal.any([attemptLimit.signal, requestInit.signal]) : attemptLimit.signal;
+        const response = await doFetch(input, { ...requestInit, headers, signal });
+        clearTimeout(timer);
         if (isReplayed(response) || !retryStatus(response.status, response)) return response;
         lastStatus = response.status;
         lastError = undefined;
         waitAtLeast = retryAfterMs(response.headers.get("retry-after")) ?? 0;
         await response.arrayBuffer().catch(() => undefined);
       } catch (err) {
+        clearTimeout(timer);
         // The caller's own abort is final; anything else may be transient.
         if (requestInit.signal?.aborted) throw err;
         lastError = err;
-        lastStatus = undefined;
       }
       const elapsed = Date.now() - started;
       const window = Math.min(cap, base * 2 ** (attempt - 1));
       const delay = Math.max(waitAtLeast, Math.floor(random() * window));
-      if (attempt >= maxAttempts || elapsed + delay > maxElapsed) {
+      if (attempt >= maxAttempts || elapsed + delay >= maxElapsed) {
         throw new IdempotentRequestError(
-          `gave up after ${attempt} attempts in ${elapsed} ms (last: ${lastStatus ?? String(lastError)}); ` +
+          `gave up after ${attempt} attempts in ${elapsed} ms (last: ${lastError !== undefined ? String(lastError) : lastStatus}); ` +
           `the request may have taken effect: retry later with key ${key}`,
           key, attempt, elapsed, lastStatus, { cause: lastError });
       }

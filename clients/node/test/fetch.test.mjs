@@ -2,11 +2,13 @@
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import http from "node:http";
+import { Readable } from "node:stream";
 import { createIdempotentFetch, IdempotentRequestError, retryAfterMs } from "../dist/index.js";
 
 let server, base;
 let script = [];
 const seen = [];
+const hung = [];
 
 before(async () => {
   server = http.createServer((req, res) => {
@@ -16,6 +18,7 @@ before(async () => {
       seen.push({ key: req.headers["idempotency-key"], body, at: Date.now() });
       const step = script.shift() ?? { status: 200 };
       if (step.drop) return req.socket.destroy();
+      if (step.hang) return hung.push(res);   // never answers
       res.writeHead(step.status, step.headers ?? {});
       res.end(JSON.stringify({ attempt: seen.length }));
     });
@@ -24,7 +27,11 @@ before(async () => {
   base = `http://127.0.0.1:${server.address().port}`;
 });
 
-after(() => new Promise((resolve) => server.close(resolve)));
+after(() => {
+  for (const res of hung) res.destroy();
+  server.closeAllConnections?.();
+  return new Promise((resolve) => server.close(resolve));
+});
 
 function reset(steps) {
   script = steps;
@@ -134,4 +141,54 @@ test("Retry-After as seconds or as a date", () => {
   assert.equal(retryAfterMs(new Date(10_000).toUTCString(), 4_000), 6000);
   assert.equal(retryAfterMs("soon"), undefined);
   assert.equal(retryAfterMs(null), undefined);
+});
+
+test("the body of an answer stays readable after attemptTimeoutMs", async () => {
+  // The request took effect (201): the caller must be able to read the
+  // answer whenever it does so; the attempt's time limit ended with its headers.
+  reset([{ status: 201 }]);
+  const f = createIdempotentFetch({ attemptTimeoutMs: 100 });
+  const r = await f(base + "/x", { method: "POST", body: "a" });
+  assert.equal(r.status, 201);
+  await new Promise((resolve) => setTimeout(resolve, 1000));
+  const text = await r.text().catch((err) => `${err.name}: ${err.message}`);
+  assert.equal(text, '{"attempt":1}');
+});
+
+test("a stream body (node:stream Readable, web ReadableStream, async iterable) is read once and resent", async () => {
+  const bodies = [
+    () => Readable.from([Buffer.from('{"a":'), Buffer.from("1}")]),
+    () => new ReadableStream({ start(c) { c.enqueue(new TextEncoder().encode('{"a":1}')); c.close(); } }),
+    () => (async function* () { yield '{"a":'; yield "1}"; })(),
+  ];
+  for (const body of bodies) {
+    reset([{ status: 503 }, { status: 201 }]);
+    const f = createIdempotentFetch({ baseDelayMs: 1, maxDelayMs: 2, maxAttempts: 3 });
+    const r = await f(base + "/x", { method: "POST", duplex: "half", body: body() });
+    assert.equal(r.status, 201);
+    assert.deepEqual(seen.map((s) => s.body), ['{"a":1}', '{"a":1}']);
+  }
+});
+
+test("a Request as input: its body is sent on every attempt, init overrides it", async () => {
+  reset([{ status: 503 }, { status: 201 }]);
+  const f = createIdempotentFetch({ baseDelayMs: 1, maxDelayMs: 2 });
+  const request = new Request(base + "/x", { method: "POST", body: "from the request", headers: { "x-a": "1" } });
+  const r = await f(request, { idempotencyKey: "k-request" });
+  assert.equal(r.status, 201);
+  assert.deepEqual(seen.map((s) => [s.key, s.body]), [["k-request", "from the request"], ["k-request", "from the request"]]);
+});
+
+test("maxElapsedMs bounds the whole call, an attempt in flight included", async () => {
+  // "Give up after this long since the first attempt": 500 ms, while one
+  // attempt may wait up to a minute for a server that never answers.
+  reset([{ hang: true }, { hang: true }]);
+  const f = createIdempotentFetch({ maxElapsedMs: 500, attemptTimeoutMs: 60_000 });
+  const started = Date.now();
+  const outcome = await Promise.race([
+    f(base + "/x", { method: "POST", body: "a" }).then(() => "answered", (err) => err),
+    new Promise((resolve) => setTimeout(resolve, 15_000, "still waiting after 15 s")),
+  ]);
+  assert.ok(outcome instanceof IdempotentRequestError, `${outcome} after ${Date.now() - started} ms`);
+  assert.equal(outcome.cause?.name, "TimeoutError");
 });

@@ -180,8 +180,12 @@ function isJsonType(contentType: string | undefined): boolean {
 }
 
 /**
- * The stored header that says the stored body is the base64 of bytes that
- * are not UTF-8 text (or hold a NUL, which jsonb cannot); taken off on replay.
+ * The stored header that says how the stored body is kept when it is not
+ * parsed JSON: "base64" for bytes that are not UTF-8 text (or hold a NUL,
+ * which jsonb cannot), "text" for a body with a JSON content type that a
+ * replay from jsonb would not write back exactly (spacing, big integers,
+ * 10.50, keys out of jsonb's order, or not JSON at all), kept as its text.
+ * Taken off on replay.
  */
 export const BODY_ENCODING_HEADER = "idempotency-body-encoding";
 
@@ -199,8 +203,40 @@ function asText(body: string | Buffer): string | undefined {
 }
 
 /**
- * The body as stored: parsed JSON for a JSON content type, else the text;
- * bytes that are not text as base64, marked in the headers; null when empty.
+ * The value with its object keys in jsonb's order (shorter keys first, then
+ * by their bytes): how a replay, read back from jsonb, writes them.
+ */
+function inJsonbOrder(value: unknown): unknown {
+  if (Array.isArray(value)) return value.map(inJsonbOrder);
+  if (value === null || typeof value !== "object") return value;
+  const keys = Object.keys(value).sort((a, b) => {
+    const ab = Buffer.from(a), bb = Buffer.from(b);
+    return ab.length - bb.length || Buffer.compare(ab, bb);
+  });
+  const out: Record<string, unknown> = {};
+  for (const key of keys) out[key] = inJsonbOrder((value as Record<string, unknown>)[key]);
+  return out;
+}
+
+/**
+ * The text parsed, if a replay would send it back exactly: JSON.stringify
+ * writes it so (what res.json sends: no spacing, no big integers, no 10.50)
+ * and its keys are in jsonb's order. Else undefined.
+ */
+function asReplayableJson(text: string): { value: unknown } | undefined {
+  try {
+    const value = JSON.parse(text);
+    return JSON.stringify(inJsonbOrder(value)) === text ? { value } : undefined;
+  } catch {
+    return undefined;
+  }
+}
+
+/**
+ * The body as stored: parsed JSON for a JSON content type when a replay
+ * gives back the same text, else the text (marked when its content type says
+ * JSON); bytes that are not text as base64, marked; null when empty. A
+ * replay sends the same bytes with the same content type.
  */
 export function bodyToStore(headers: Record<string, string>, body: string | Buffer | null): unknown {
   if (body === null || body.length === 0) return null;
@@ -211,12 +247,9 @@ export function bodyToStore(headers: Record<string, string>, body: string | Buff
     return Buffer.from(body).toString("base64");
   }
   if (isJsonType(headers["content-type"])) {
-    try {
-      return JSON.parse(text);
-    } catch {
-      // Not JSON after all: stored as text, replayed as such.
-      headers["content-type"] = "text/plain; charset=utf-8";
-    }
+    const json = asReplayableJson(text);
+    if (json) return json.value;
+    headers[BODY_ENCODING_HEADER] = "text";
   }
   return text;
 }
@@ -224,13 +257,13 @@ export function bodyToStore(headers: Record<string, string>, body: string | Buff
 /** A stored response as an HTTP answer marked as a replay. */
 export function replayAnswer(status: number, headers: Record<string, string> | null, body: unknown): HttpAnswer {
   const h: Record<string, string> = { ...(headers ?? {}) };
-  const base64 = h[BODY_ENCODING_HEADER] === "base64";
+  const encoding = h[BODY_ENCODING_HEADER];
   delete h[BODY_ENCODING_HEADER];
   h[REPLAYED_HEADER.toLowerCase()] = "true";
   let out: string | Buffer | null;
   if (body === null || body === undefined) out = null;
-  else if (base64 && typeof body === "string") out = Buffer.from(body, "base64");
-  else if (typeof body === "string" && !isJsonType(h["content-type"])) out = body;
+  else if (encoding === "base64" && typeof body === "string") out = Buffer.from(body, "base64");
+  else if (typeof body === "string" && (encoding === "text" || !isJsonType(h["content-type"]))) out = body;
   else out = JSON.stringify(body);
   return { status, headers: h, body: out };
 }

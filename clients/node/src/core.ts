@@ -51,7 +51,7 @@ export interface RequestInfo {
   route: string;
   headers: Record<string, string | string[] | undefined>;
   body: unknown;
-  params: Record<string, string>;
+  params: Record<string, string | string[]>;
 }
 
 export interface IdempotencyOptions<Req = any> {

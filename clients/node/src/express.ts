@@ -1,12 +1,23 @@
 // Express 5 middleware: claim the key before the handler, store its response
 // in the same transaction before the response leaves.
 import type { IncomingMessage, ServerResponse } from "node:http";
+import type { Request as ExpressRequest } from "express";
 import { begin, checkOptions, type HttpAnswer, type Idempotency, type IdempotencyOptions, type RequestInfo } from "./core.js";
+
+declare module "express-serve-static-core" {
+  interface Request {
+    /**
+     * Set by the idempotent() middleware on the routes it protects (absent
+     * elsewhere, and with required: false on a request without a key).
+     */
+    idempotency: Idempotency;
+  }
+}
 
 /** The parts of an Express request the middleware reads. */
 export interface ExpressRequestLike extends IncomingMessage {
   body?: unknown;
-  params?: Record<string, string>;
+  params?: Record<string, string | string[]>;
   route?: { path?: unknown };
   baseUrl?: string;
   path?: string;
@@ -47,7 +58,7 @@ function toBuffer(chunk: unknown, encoding?: unknown): Buffer {
  * the route pattern), after the body parser:
  *   app.post("/payments", idempotent({ pool, principal: (req) => req.user.id }), handler)
  */
-export function idempotent<Req extends ExpressRequestLike = ExpressRequestLike>(options: IdempotencyOptions<Req>) {
+export function idempotent<Req extends ExpressRequestLike = ExpressRequest>(options: IdempotencyOptions<Req>) {
   checkOptions(options);
   return async function idempotencyMiddleware(req: Req, res: ServerResponse, next: Next): Promise<void> {
     let started;

@@ -2,6 +2,10 @@
 // event once with idem_inbox_accept, in the transaction of its write.
 // failEvery: for every n-th event, commit it and then answer 500 (a lost
 // acknowledgement), so that the relay delivers it again.
+// receiver_applied has no unique key: only the inbox keeps an event to one
+// row, so the chaos test can count them. An error while handling a delivery
+// is recorded in receiver_errors. brokenInbox (to probe the chaos test):
+// apply every delivery, first or not.
 import http from "node:http";
 import { createHmac, timingSafeEqual } from "node:crypto";
 
@@ -18,10 +22,12 @@ export function verifySignature(secret, id, timestamp, body, signatureHeader, no
   });
 }
 
-export async function startReceiver({ pool, secret, failEvery = 0, port = 0 }) {
+export async function startReceiver({ pool, secret, failEvery = 0, port = 0, brokenInbox = false }) {
   await pool.query(`CREATE TABLE IF NOT EXISTS receiver_applied (
-      event_id text PRIMARY KEY, type text NOT NULL, payment_id int NOT NULL, applied_at timestamptz DEFAULT now());
-    CREATE TABLE IF NOT EXISTS receiver_deliveries (event_id text NOT NULL, at timestamptz DEFAULT now())`);
+      event_id text NOT NULL, type text NOT NULL, payment_id int NOT NULL, applied_at timestamptz DEFAULT now());
+    CREATE INDEX IF NOT EXISTS receiver_applied_event ON receiver_applied (event_id);
+    CREATE TABLE IF NOT EXISTS receiver_deliveries (event_id text NOT NULL, at timestamptz DEFAULT now());
+    CREATE TABLE IF NOT EXISTS receiver_errors (event_id text, error text NOT NULL, at timestamptz DEFAULT now())`);
   let seq = 0;
   const server = http.createServer((req, res) => {
     let body = "";
@@ -39,7 +45,7 @@ export async function startReceiver({ pool, secret, failEvery = 0, port = 0 }) {
         const { rows } = await client.query("SELECT idem_inbox_accept('webhooks:payments', $1) AS first", [id]);
         const event = JSON.parse(body);
         // Plain INSERT, no ON CONFLICT: the inbox is what keeps it to once.
-        if (rows[0].first)
+        if (rows[0].first || brokenInbox)
           await client.query("INSERT INTO receiver_applied (event_id, type, payment_id) VALUES ($1, $2, $3)",
             [id, event.type, event.payment_id]);
         await client.query("COMMIT");
@@ -47,6 +53,8 @@ export async function startReceiver({ pool, secret, failEvery = 0, port = 0 }) {
         res.writeHead(lose ? 500 : 204).end();
       } catch (err) {
         await client.query("ROLLBACK").catch(() => undefined);
+        await pool.query("INSERT INTO receiver_errors (event_id, error) VALUES ($1, $2)", [id, String(err)])
+          .catch(() => undefined);
         res.writeHead(500).end(String(err));
       } finally {
         client.release();

@@ -11,7 +11,8 @@ import { startReceiver } from "./receiver.mjs";
 
 const here = fileURLToPath(new URL(".", import.meta.url));
 
-export async function startWorld({ servicePort = 0, killEvery = 0, receiverFailEvery = 0, log = console.log } = {}) {
+export async function startWorld({ servicePort = 0, killEvery = 0, receiverFailEvery = 0, brokenInbox = false,
+                                   log = console.log } = {}) {
   const cluster = await startCluster({
     extraConf: [
       "idempotency.databases = 'postgres'",
@@ -24,7 +25,7 @@ export async function startWorld({ servicePort = 0, killEvery = 0, receiverFailE
   const gateway = await startGateway();
   const pool = cluster.pool({ max: 10 });
   const secret = "whsec_" + randomBytes(32).toString("base64");
-  const receiver = await startReceiver({ pool, secret, failEvery: receiverFailEvery });
+  const receiver = await startReceiver({ pool, secret, failEvery: receiverFailEvery, brokenInbox });
   await cluster.query(
     "SELECT idem_destination_create('receiver', 'http', $1, '{payment.*}', $2::jsonb)",
     [`${receiver.url}/webhooks`, JSON.stringify({ secret, backoff_base: "100ms", backoff_cap: "1s", max_attempts: 1000 })]);

@@ -4,7 +4,8 @@ import { begin, checkOptions, type HttpAnswer, type Idempotency, type Idempotenc
 
 declare module "fastify" {
   interface FastifyRequest {
-    idempotency: Idempotency | null;
+    /** Set on the routes the plugin covers (null on the others, as on Express's req). */
+    idempotency: Idempotency;
   }
   interface FastifyContextConfig {
     /** false: this route is not idempotent; an object: options for this route. */
@@ -32,7 +33,8 @@ function replyWith(reply: FastifyReply, answer: HttpAnswer): FastifyReply {
 
 async function idempotencyPlugin(app: FastifyInstance, options: IdempotencyOptions<FastifyRequest>): Promise<void> {
   checkOptions(options);
-  app.decorateRequest("idempotency", null);
+  // null until the route's claim sets it (typed as set: only covered routes read it).
+  app.decorateRequest("idempotency", null as unknown as Idempotency);
 
   // The claim runs as the last preHandler of each route, after the route's
   // own (where authentication, e.g. @fastify/auth, sets the principal): an

@@ -13,16 +13,22 @@ import { fileURLToPath } from "node:url";
 
 const pkg = fileURLToPath(new URL("..", import.meta.url));
 
-/** The first ```js block after the line `heading` of the file. */
+/** The first ```js or ```ts block after the line `heading` of the file. */
 function example(file, heading) {
   const text = readFileSync(join(pkg, file), "utf8");
   const at = text.split("\n").findIndex((line) => line === heading);
   assert.ok(at >= 0, `${file}: no heading ${heading}`);
   const rest = text.split("\n").slice(at + 1).join("\n");
-  const m = rest.match(/```js\n([\s\S]*?)```/);
-  assert.ok(m, `${file}: no js block after ${heading}`);
+  const m = rest.match(/```(?:js|ts)\n([\s\S]*?)```/);
+  assert.ok(m, `${file}: no js or ts block after ${heading}`);
   return m[1];
 }
+
+// What a Fastify application's authentication declares.
+const FASTIFY_AUTH = `declare module "fastify" {
+  interface FastifyRequest { user: { tenantId: string } }
+}
+`;
 
 // What an Express application's authentication declares.
 const EXPRESS_AUTH = `declare global {
@@ -34,6 +40,7 @@ const EXPRESS_AUTH = `declare global {
 
 const fixtures = {
   "express-quick-start.ts": EXPRESS_AUTH + example("README.md", "## Quick start (Express 5)"),
+  "fastify.ts": FASTIFY_AUTH + example("README.md", "## Fastify 5"),
   "retrying-client.ts": example("README.md", "## Retrying client") + "\nexport { res, IdempotentRequestError };\n",
   "repo-readme-express.ts": EXPRESS_AUTH + example("../../README.md", "### From an HTTP service"),
 };

@@ -466,6 +466,14 @@ export class Session implements Idempotency {
    */
   async finish(answer: HttpAnswer): Promise<HttpAnswer> {
     if (this.finished) return answer;
+    if (this.busy > 0) {
+      // The handler answered without awaiting its own work on the connection
+      // (a phase, a query): storing now would race that work on one
+      // connection. Nothing is stored; the work's end gives the claim up.
+      await this.abandon();
+      return problem(500, "Handler answered too early",
+        "The handler answered while its database work was still running, so nothing was stored. Retry with the same key.");
+    }
     this.finished = true;
     let broken: Error | undefined;
     try {

@@ -57,6 +57,27 @@ before(async () => {
       if (held) hooks.slowDone();
     }
   });
+  // A handler that answers without awaiting its phase (once).
+  app.post("/early", idempotent({ pool: onePool, principal: null, lease: "60 seconds" }), async (req, res) => {
+    const idem = req.idempotency;
+    if (hooks.answerEarly) {
+      hooks.answerEarly = false;
+      let firstWritten;
+      const written = new Promise((resolve) => { firstWritten = resolve; });
+      const phase = idem.phase("early", async (db) => {
+        await db.query("INSERT INTO writes (what) VALUES ('early phase, first write')");
+        firstWritten();
+        await new Promise((resolve) => { hooks.earlyRelease = resolve; });
+        await db.query("INSERT INTO writes (what) VALUES ('early phase, second write')");
+      });
+      hooks.earlyPhase = phase.then(() => "done", (err) => err.message);
+      await written;
+      res.json({ early: true });        // the phase is still running: a bug of the handler
+      return;
+    }
+    await idem.phase("early", (db) => db.query("INSERT INTO writes (what) VALUES ('early phase, first write')"));
+    res.json({ early: "awaited" });
+  });
   // A plain handler: one write in the claim's transaction.
   app.post("/pay", idempotent({ pool: onePool, principal: null }), async (req, res) => {
     if (payHold) {
@@ -183,4 +204,24 @@ test("a request abandoned during a phase: the phase rolls back, then gives the c
   assert.equal(retried.status, 200, await retried.text());
   assert.equal(await writes("slow phase, first write"), 1);
   assert.equal(await writes("slow phase, second write"), 1);
+});
+
+test("a handler that answers while its phase still runs gets nothing stored, and the claim is given up", async () => {
+  hooks.answerEarly = true;
+  const first = await post("/early", "early-1");
+  const body = await first.json();
+  assert.equal(first.status, 500, JSON.stringify(body));
+  assert.equal(body.title, "Handler answered too early");
+  hooks.earlyRelease();
+  // The phase's next query is refused: its transaction rolls back, then the claim is released.
+  assert.match(await hooks.earlyPhase, /this request has ended/);
+  assert.equal(await writes("early phase, first write"), 0);
+  assert.equal(await writes("early phase, second write"), 0);
+  // The connection went back clean: the retry executes and is stored.
+  const retried = await untilFinal("/early", "early-1");
+  assert.equal(retried.status, 200);
+  assert.deepEqual(await retried.json(), { early: "awaited" });
+  assert.equal(await writes("early phase, first write"), 1);
+  const replay = await post("/early", "early-1");
+  assert.equal(replay.headers.get("idempotent-replayed"), "true");
 });

@@ -63,6 +63,7 @@ int			idem_wait_timeout = 5000;
 int			idem_default_ttl = 86400;
 int			idem_max_response_bytes = 1024 * 1024;
 int			idem_stuck_after = 300;
+bool		idem_store_server_errors = false;
 
 typedef enum ClaimState
 {
@@ -271,6 +272,14 @@ ClaimsInit(void)
 							300, 0, INT_MAX,
 							PGC_USERSET, GUC_UNIT_S,
 							NULL, NULL, NULL);
+
+	DefineCustomBoolVariable("idempotency.store_server_errors",
+							 "Whether idem_execute stores a handler's 5xx response like any other.",
+							 "Off: a 5xx is a transient failure; the handler's writes are rolled back, the claim is released and the next retry executes again.",
+							 &idem_store_server_errors,
+							 false,
+							 PGC_USERSET, 0,
+							 NULL, NULL, NULL);
 
 	RegisterXactCallback(claims_xact_callback, NULL);
 	RegisterSubXactCallback(claims_subxact_callback, NULL);

@@ -410,6 +410,16 @@ claim_expiry(FunctionCallInfo fcinfo, int argno, TimestampTz now)
 	return idem_timestamp_add(now, claim_ttl(fcinfo, argno, now), "expiry time");
 }
 
+/* Refuse response headers that are not a JSON object (NULL: none). */
+void
+claim_check_headers(Jsonb *headers)
+{
+	if (headers != NULL && !(JB_ROOT_IS_OBJECT(headers) && !JB_ROOT_IS_SCALAR(headers)))
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("headers must be a JSON object")));
+}
+
 /* Validate a response before it is stored: status range, headers an object, size cap. */
 void
 claim_check_response(int32 status, Jsonb *body, Jsonb *headers)
@@ -421,10 +431,7 @@ claim_check_response(int32 status, Jsonb *body, Jsonb *headers)
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("status must be between 100 and 599"),
 				 errdetail("The status given was %d.", status)));
-	if (headers != NULL && !(JB_ROOT_IS_OBJECT(headers) && !JB_ROOT_IS_SCALAR(headers)))
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("headers must be a JSON object")));
+	claim_check_headers(headers);
 	if (body != NULL)
 		size += VARSIZE(body);
 	if (headers != NULL)

@@ -66,6 +66,7 @@ extern TimestampTz claim_interval_end(FunctionCallInfo fcinfo, int argno,
 									  TimestampTz now, const char *name);
 extern int64 claim_ttl(FunctionCallInfo fcinfo, int argno, TimestampTz now);
 extern TimestampTz claim_expiry(FunctionCallInfo fcinfo, int argno, TimestampTz now);
+extern void claim_check_headers(Jsonb *headers);
 extern void claim_check_response(int32 status, Jsonb *body, Jsonb *headers);
 
 extern void claim_locktag(LOCKTAG *tag, text *scope, text *key);

@@ -114,8 +114,76 @@ SELECT k, (r).status, (r).body
 SELECT status FROM idem_execute('bank:POST /transfers', 'x-6', '{"amount": 9}', 'create_transfer(jsonb)', '1 hour');
 SELECT expires_at - completed_at AS ttl FROM idem_replay('bank:POST /transfers', 'x-6');
 
+-- A handler's 5xx is a transient failure (issue 12): its writes are rolled
+-- back, nothing is stored, the claim is released and the 5xx is answered as
+-- it came, so the retry executes again.
+CREATE FUNCTION unavailable_transfer(request jsonb) RETURNS idem_response
+LANGUAGE plpgsql AS $$
+BEGIN
+	INSERT INTO transfers (amount) VALUES (-2);
+	RETURN ROW(503, jsonb_build_object('Retry-After', '1'),
+			   jsonb_build_object('error', 'gateway unavailable'))::idem_response;
+END $$;
+SELECT * FROM idem_execute('bank:POST /transfers', 'x-7', '{"amount": 2}', 'unavailable_transfer(jsonb)');
+SELECT count(*) AS stored FROM idem_replay('bank:POST /transfers', 'x-7');
+SELECT count(*) AS kept_writes FROM transfers WHERE amount = -2;
+SELECT status, body, replayed FROM idem_execute('bank:POST /transfers', 'x-7', '{"amount": 2}', 'create_transfer(jsonb)');
+SELECT status, replayed FROM idem_execute('bank:POST /transfers', 'x-7', '{"amount": 2}', 'create_transfer(jsonb)');
+-- In an explicit transaction: the caller's own writes stay, and the commit
+-- succeeds (the claim was released, so nothing is left unfinished).
+BEGIN;
+INSERT INTO transfers (amount) VALUES (-3);
+SELECT status FROM idem_execute('bank:POST /transfers', 'x-8', '{"amount": 3}', 'unavailable_transfer(jsonb)');
+COMMIT;
+SELECT count(*) AS caller_writes FROM transfers WHERE amount = -3;
+SELECT count(*) AS handler_writes FROM transfers WHERE amount = -2;
+SELECT count(*) AS stored FROM idem_replay('bank:POST /transfers', 'x-8');
+-- 499 is not a server error: stored.
+CREATE FUNCTION status_499(request jsonb) RETURNS idem_response
+LANGUAGE sql AS $$ SELECT ROW(499, NULL, NULL)::idem_response $$;
+SELECT status, replayed FROM idem_execute('bank:POST /transfers', 'x-9', '{}', 'status_499(jsonb)');
+SELECT status, replayed FROM idem_execute('bank:POST /transfers', 'x-9', '{}', 'status_499(jsonb)');
+-- A 5xx that is not stored is not held to the storage limit
+-- (idempotency.max_response_bytes, 1 MB): a 2 MB 503 is answered as it came.
+-- Stored (store_server_errors = on), it is refused like any response.
+CREATE FUNCTION large_unavailable(request jsonb) RETURNS idem_response
+LANGUAGE sql AS $$
+	SELECT ROW(503, NULL, jsonb_build_object('page', repeat('x', 2 * 1024 * 1024)))::idem_response
+$$;
+SELECT status, length(body->>'page') AS page_length, replayed
+  FROM idem_execute('bank:POST /transfers', 'x-12', '{}', 'large_unavailable(jsonb)');
+SELECT count(*) AS stored FROM idem_replay('bank:POST /transfers', 'x-12');
+SET idempotency.store_server_errors = on;
+SELECT status FROM idem_execute('bank:POST /transfers', 'x-12', '{}', 'large_unavailable(jsonb)');
+RESET idempotency.store_server_errors;
+-- idempotency.store_server_errors = on stores a 5xx like any response.
+SET idempotency.store_server_errors = on;
+SELECT status, replayed FROM idem_execute('bank:POST /transfers', 'x-10', '{"amount": 4}', 'unavailable_transfer(jsonb)');
+SELECT status, body, replayed FROM idem_execute('bank:POST /transfers', 'x-10', '{"amount": 4}', 'unavailable_transfer(jsonb)');
+SELECT count(*) AS kept_writes FROM transfers WHERE amount = -2;
+RESET idempotency.store_server_errors;
+-- Inside a caller's exception block: a 5xx, then a handler error caught by
+-- the block; the caller's subtransactions stay intact and the key executes
+-- afterwards.
+DO $$
+DECLARE
+	r record;
+BEGIN
+	SELECT * INTO r FROM idem_execute('bank:POST /transfers', 'x-11', '{"amount": 5}', 'unavailable_transfer(jsonb)');
+	RAISE NOTICE 'first: %', r.status;
+	BEGIN
+		PERFORM idem_execute('bank:POST /transfers', 'x-11', '{"amount": 5}', 'flaky_transfer(jsonb)');
+	EXCEPTION WHEN connection_failure THEN
+		RAISE NOTICE 'caught: %', SQLERRM;
+	END;
+	SELECT * INTO r FROM idem_execute('bank:POST /transfers', 'x-11', '{"amount": 5}', 'create_transfer(jsonb)');
+	RAISE NOTICE 'then: % replayed %', r.status, r.replayed;
+END $$;
+SELECT count(*) AS handler_writes FROM transfers WHERE amount IN (-1, -2);
+
 SELECT count(*) AS transfers FROM transfers;
 DROP FUNCTION create_transfer(jsonb), flaky_transfer(jsonb), bad_status(jsonb),
+	unavailable_transfer(jsonb), status_499(jsonb), large_unavailable(jsonb),
 	null_response(jsonb), null_status(jsonb), wrong_arg(text), wrong_result(jsonb),
 	wrong_set(jsonb), echo_request(jsonb);
 DROP PROCEDURE wrong_kind(jsonb);

@@ -63,6 +63,7 @@ int			idem_wait_timeout = 5000;
 int			idem_default_ttl = 86400;
 int			idem_max_response_bytes = 1024 * 1024;
 int			idem_stuck_after = 300;
+bool		idem_store_server_errors = false;
 
 typedef enum ClaimState
 {
@@ -272,6 +273,14 @@ ClaimsInit(void)
 							PGC_USERSET, GUC_UNIT_S,
 							NULL, NULL, NULL);
 
+	DefineCustomBoolVariable("idempotency.store_server_errors",
+							 "Whether idem_execute stores a handler's 5xx response like any other.",
+							 "Off: a 5xx is a transient failure; the handler's writes are rolled back, the claim is released and the next retry executes again.",
+							 &idem_store_server_errors,
+							 false,
+							 PGC_USERSET, 0,
+							 NULL, NULL, NULL);
+
 	RegisterXactCallback(claims_xact_callback, NULL);
 	RegisterSubXactCallback(claims_subxact_callback, NULL);
 }
@@ -401,6 +410,16 @@ claim_expiry(FunctionCallInfo fcinfo, int argno, TimestampTz now)
 	return idem_timestamp_add(now, claim_ttl(fcinfo, argno, now), "expiry time");
 }
 
+/* Refuse response headers that are not a JSON object (NULL: none). */
+void
+claim_check_headers(Jsonb *headers)
+{
+	if (headers != NULL && !(JB_ROOT_IS_OBJECT(headers) && !JB_ROOT_IS_SCALAR(headers)))
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("headers must be a JSON object")));
+}
+
 /* Validate a response before it is stored: status range, headers an object, size cap. */
 void
 claim_check_response(int32 status, Jsonb *body, Jsonb *headers)
@@ -412,10 +431,7 @@ claim_check_response(int32 status, Jsonb *body, Jsonb *headers)
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("status must be between 100 and 599"),
 				 errdetail("The status given was %d.", status)));
-	if (headers != NULL && !(JB_ROOT_IS_OBJECT(headers) && !JB_ROOT_IS_SCALAR(headers)))
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("headers must be a JSON object")));
+	claim_check_headers(headers);
 	if (body != NULL)
 		size += VARSIZE(body);
 	if (headers != NULL)

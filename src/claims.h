@@ -35,6 +35,7 @@ extern int	idem_wait_timeout;
 extern int	idem_default_ttl;
 extern int	idem_max_response_bytes;
 extern int	idem_stuck_after;
+extern bool idem_store_server_errors;
 
 typedef enum ClaimOutcome
 {
@@ -65,6 +66,7 @@ extern TimestampTz claim_interval_end(FunctionCallInfo fcinfo, int argno,
 									  TimestampTz now, const char *name);
 extern int64 claim_ttl(FunctionCallInfo fcinfo, int argno, TimestampTz now);
 extern TimestampTz claim_expiry(FunctionCallInfo fcinfo, int argno, TimestampTz now);
+extern void claim_check_headers(Jsonb *headers);
 extern void claim_check_response(int32 status, Jsonb *body, Jsonb *headers);
 
 extern void claim_locktag(LOCKTAG *tag, text *scope, text *key);
@@ -76,5 +78,8 @@ extern void claim_lock_hold(text *scope, text *key, const char *caller);
 extern void phase_succeed(FunctionCallInfo fcinfo, text *scope, text *key);
 extern void claim_succeed(text *scope, text *key, int32 status,
 						  Jsonb *body, Jsonb *headers);
+
+/* SQL-callable functions of claims.c that others call directly */
+extern PGDLLEXPORT Datum idem_release(PG_FUNCTION_ARGS);
 
 #endif							/* IDEM_CLAIMS_H */

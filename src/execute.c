@@ -12,6 +12,12 @@
  * this function is not SECURITY DEFINER, and it checks the caller's EXECUTE
  * privilege on the handler before it claims anything.
  *
+ * A 5xx from the handler is a transient failure: the handler runs in a
+ * subtransaction of its own, which is rolled back, the claim is released and
+ * the 5xx is answered without being stored, so the next retry executes again
+ * (unless idempotency.store_server_errors says to store it like any other).
+ * Not stored, it is not held to idempotency.max_response_bytes either.
+ *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
@@ -28,7 +34,9 @@
 #include "utils/builtins.h"
 #include "utils/json.h"
 #include "utils/lsyscache.h"
+#include "utils/memutils.h"
 #include "utils/regproc.h"
+#include "utils/resowner.h"
 #include "utils/syscache.h"
 
 #include "claims.h"
@@ -176,6 +184,51 @@ run_handler(ExecuteCache *cache, Jsonb *request, int32 *status,
 	*body = isnull ? NULL : DatumGetJsonbP(value);
 }
 
+/*
+ * Run the handler in a subtransaction of its own and keep its writes, unless
+ * it answered a server error (5xx): then roll them back and tell the caller.
+ * An error of the handler rolls the subtransaction back and propagates, so
+ * that a caller's savepoints and exception blocks stay in step.
+ */
+static bool
+run_handler_transient(ExecuteCache *cache, Jsonb *request, int32 *status,
+					  Jsonb **headers, Jsonb **body)
+{
+	MemoryContext callcontext = CurrentMemoryContext;
+	ResourceOwner callowner = CurrentResourceOwner;
+	bool		server_error;
+
+	BeginInternalSubTransaction(NULL);
+	/* The results must outlive the subtransaction: allocate them in ours. */
+	MemoryContextSwitchTo(callcontext);
+	PG_TRY();
+	{
+		run_handler(cache, request, status, headers, body);
+	}
+	PG_CATCH();
+	{
+		ErrorData  *edata;
+
+		MemoryContextSwitchTo(callcontext);
+		edata = CopyErrorData();
+		FlushErrorState();
+		RollbackAndReleaseCurrentSubTransaction();
+		MemoryContextSwitchTo(callcontext);
+		CurrentResourceOwner = callowner;
+		ReThrowError(edata);
+	}
+	PG_END_TRY();
+
+	server_error = *status >= 500 && *status <= 599;
+	if (server_error)
+		RollbackAndReleaseCurrentSubTransaction();
+	else
+		ReleaseCurrentSubTransaction();
+	MemoryContextSwitchTo(callcontext);
+	CurrentResourceOwner = callowner;
+	return server_error;
+}
+
 PG_FUNCTION_INFO_V1(idem_execute);
 
 /* idem_execute(scope, key, request, handler, ttl): the whole flow in one call. */
@@ -217,8 +270,23 @@ idem_execute(PG_FUNCTION_ARGS)
 	switch (answer.outcome)
 	{
 		case CLAIM_CLAIMED:
-			run_handler(cache, request, &status, &headers, &body);
-			claim_succeed(scope, key, status, body, headers);
+			if (idem_store_server_errors)
+			{
+				run_handler(cache, request, &status, &headers, &body);
+				claim_succeed(scope, key, status, body, headers);
+			}
+			else if (run_handler_transient(cache, request, &status, &headers, &body))
+			{
+				/*
+				 * Not stored, so not held to idempotency.max_response_bytes;
+				 * its headers must still be an object (a bug either way).
+				 */
+				claim_check_headers(headers);
+				DirectFunctionCall2(idem_release, PointerGetDatum(scope),
+									PointerGetDatum(key));
+			}
+			else
+				claim_succeed(scope, key, status, body, headers);
 			break;
 		case CLAIM_REPLAY:
 			status = answer.record.status;

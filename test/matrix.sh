@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CI matrix: the whole suite on every PostgreSQL version tested here,
 # one after the other (the machine has two cores), from this work tree:
-#   15  on the host (Debian 12), with the sanitizer run; then the Debian
+#   15  on the host (Debian 12), with the sanitizer run and the Node.js
+#       package's tests; then the Debian
 #       package built on the host (test/deb.sh host);
 #   17  in a Debian 13 "trixie" root, from source as the README says, then
 #       as installed from the Debian package built there (test/deb.sh);
@@ -51,7 +52,7 @@ run_in_root() {
 	r=$(idem_root_prepare "$suite") || { echo "0 passed, 1 failed" >"$log"; idem_root_unlock; return; }
 	trap 'idem_root_umount "$r"' EXIT
 	idem_root_copy_source "$r" "$top"
-	idem_root_run "$r" env IDEM_SANITIZE=0 bash -c 'cd /work/idempotency && bash test/run.sh' >"$log" 2>&1
+	idem_root_run "$r" env IDEM_SANITIZE=0 IDEM_NODE=0 bash -c 'cd /work/idempotency && bash test/run.sh' >"$log" 2>&1
 	rm -rf "$logs/$name-results"
 	cp -r "$r/work/idempotency/test/results" "$logs/$name-results" 2>/dev/null
 	idem_root_umount "$r"

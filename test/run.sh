@@ -13,6 +13,9 @@
 # name (e.g. "claim", "phases_fencing", "t/020_outbox_http.pl") matches one
 # of them run.  For development; CI runs everything.
 #
+# Then "node": test/node.sh tests the npm package clients/node and runs the
+# chaos test of examples/payments, each of its tests counted.
+#
 # Last comes the test "sanitize": test/sanitize.sh runs the pg_regress and
 # isolation suites and the hostile-input TAP tests once more against a build
 # instrumented with ASan and UBSan (in its own staging copy of PostgreSQL),
@@ -50,6 +53,7 @@ log="$top/test/results/run.log"
 regress_tests=$(make -s -f Makefile print-REGRESS 2>/dev/null)
 isolation_tests=$(make -s -f Makefile print-ISOLATION 2>/dev/null)
 tap_tests=$(ls t/*.pl 2>/dev/null)
+node_tests=node
 sanitize_tests=sanitize
 
 # Keep only the names that match one of the arguments.
@@ -70,11 +74,17 @@ select_tests() {
 if [ "${IDEM_SANITIZE:-1}" = 0 ] || [ -n "${sanitize_only_from_source:-}" ]; then
 	sanitize_tests=
 fi
+# IDEM_NODE=0 leaves out the Node.js package and chaos tests (test/node.sh),
+# as CI does in its roots and when testing an installed package.
+if [ "${IDEM_NODE:-1}" = 0 ] || [ -n "${sanitize_only_from_source:-}" ]; then
+	node_tests=
+fi
 filters=("$@")
 if [ ${#filters[@]} -gt 0 ]; then
 	regress_tests=$(select_tests $regress_tests)
 	isolation_tests=$(select_tests $isolation_tests)
 	tap_tests=$(select_tests $tap_tests)
+	node_tests=$(select_tests $node_tests)
 	sanitize_tests=$(select_tests $sanitize_tests)
 fi
 
@@ -136,6 +146,25 @@ if [ -n "$tap_tests" ]; then
 	rm -rf "$top/test/results/tap-logs"; [ -d "$work/tmp_check/log" ] && cp -r "$work/tmp_check/log" "$top/test/results/tap-logs"
 fi
 
+if [ -n "$node_tests" ]; then
+	section "Node.js: the npm package and the chaos test (test/node.sh)"
+	# Its own staging copy of PostgreSQL in this run's work directory (removed
+	# with it), so it never touches the one above nor another run's.
+	mkdir -p "$work/node-pg"
+	IDEM_DESTDIR="$work/node-pg" bash test/node.sh >"$work/node.out" 2>&1
+	cat "$work/node.out" >>"$log"
+	grep -E '^test |^  \[chaos\]' "$work/node.out"
+	node_line=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$work/node.out" | tail -n1)
+	if [ -n "$node_line" ]; then
+		passed=$((passed + ${node_line%% passed*}))
+		node_failed=${node_line#*, }
+		failed=$((failed + ${node_failed%% failed}))
+	else
+		echo "test node ... FAILED (no result line; see test/results/run.log)" | tee -a "$log"
+		failed=$((failed + 1))
+	fi
+fi
+
 if [ -n "$sanitize_tests" ]; then
 	section "sanitizers (ASan + UBSan build: pg_regress, isolation, hostile-input TAP)"
 	bash test/sanitize.sh >"$work/sanitize.out" 2>&1
@@ -151,7 +180,7 @@ if [ -n "$sanitize_tests" ]; then
 	fi
 fi
 
-expected_count=$(( $(echo $regress_tests | wc -w) + $(echo $isolation_tests | wc -w) + $(echo $tap_tests | wc -w) + $(echo $sanitize_tests | wc -w) ))
+expected_count=$(( $(echo $regress_tests | wc -w) + $(echo $isolation_tests | wc -w) + $(echo $tap_tests | wc -w) + $(echo $node_tests | wc -w) + $(echo $sanitize_tests | wc -w) ))
 if [ $((passed + failed)) -lt "$expected_count" ]; then
 	echo "only $((passed + failed)) of $expected_count tests reported a result" | tee -a "$log"
 	failed=$((failed + expected_count - passed - failed))

@@ -124,4 +124,14 @@ CREATE INDEX deliveries_undelivered ON idempotency.deliveries (destination_id, k
 CREATE INDEX deliveries_dead ON idempotency.deliveries (destination_id)
 	WHERE state OPERATOR(pg_catalog.=) 'dead';
 
+/*
+ * Each delivery is updated twice (claimed, then its outcome recorded), and
+ * a burst is published into full pages: every new row version went to a
+ * new page at the end of the table, extended one page at a time.  Room left
+ * in each page keeps the new versions on their page (where pruning frees
+ * the dead ones again), and the table from growing through a burst.
+ * Existing pages get it as they are rewritten or vacuumed.
+ */
+ALTER TABLE idempotency.deliveries SET (fillfactor = 70);
+
 -- (end of outbox section)

@@ -23,6 +23,12 @@
 #
 #   bash bench/relay.sh                          # about 8 minutes (the http drains are slow)
 #   BENCH_EVENTS=20000 BENCH_ROUNDS=1 BENCH_LATENCY_SECONDS=5 bash bench/relay.sh   # smoke run
+#   BENCH_PARTS=throughput BENCH_KINDS=hook bash bench/relay.sh   # webhook throughput only
+#
+# BENCH_PARTS (default "latency throughput") and BENCH_KINDS (default "hook
+# fn chan": http, function and notify) choose what runs; BENCH_PERF=DIR
+# records a perf profile of the relay processes during each http drain
+# into DIR (perf from Debian's linux-perf).
 #
 # Runs as root: installs nginx-light and wrk if missing (Debian packages),
 # builds and installs the extension (IDEM_DESTDIR=/tmp/x installs it into a
@@ -53,6 +59,9 @@ LAT_RATE=${BENCH_LATENCY_RATE:-1000}
 LAT_SECS=${BENCH_LATENCY_SECONDS:-15}
 LAT_ROUNDS=${BENCH_LATENCY_ROUNDS:-1}
 BACKLOG=${BENCH_NEIGHBOUR_BACKLOG:-2000}
+PARTS=${BENCH_PARTS:-latency throughput}
+KINDS=${BENCH_KINDS:-hook fn chan}
+PERF_DIR=${BENCH_PERF:-}
 SLOW_SECS=5
 PORT=${BENCH_PORT:-5760}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -277,6 +286,7 @@ drain() {
 	coproc POLL { as_pg "$BIN/psql" -X -q -At -v ON_ERROR_STOP=1 -h "$WORK" -p "$PORT" -U postgres -d postgres; }
 	sql -c "SELECT idem_destination_resume('$1')" >/dev/null    # its commit wakes the worker
 	t0=$EPOCHREALTIME
+	perf_start "$1"
 	while :; do
 		echo "SELECT pg_sleep(0.005), ($q), (SELECT count(*) FROM pg_stat_activity
 			WHERE backend_type IN ('idempotency cleanup', 'idempotency relay'));" >&"${POLL[1]}"
@@ -287,9 +297,29 @@ drain() {
 			&& { echo "!! not delivered after 10 minutes" >&2; kill "$POLL_PID"; return 1; }
 	done
 	t1=$EPOCHREALTIME
+	perf_stop
 	exec {POLL[1]}>&-
 	wait "$POLL_PID" 2>/dev/null || true
 	awk -v a="$t0" -v b="$t1" -v p="$most" 'BEGIN { printf "%.3f %d", b - a, p }'
+}
+
+# perf_start DEST: with BENCH_PERF, profile the relay processes while an
+# http destination drains (the helpers that start later are not followed).
+PERF_PID=
+perf_start() {
+	[ -n "$PERF_DIR" ] && [ "$1" = hook ] || return 0
+	local pids
+	pids=$(sql -c "SELECT string_agg(pid::text, ',') FROM pg_stat_activity
+		WHERE backend_type IN ('idempotency cleanup', 'idempotency relay')")
+	mkdir -p "$PERF_DIR"
+	perf record -q -g -p "$pids" -o "$PERF_DIR/perf-$(date +%H%M%S).data" >/dev/null 2>&1 &
+	PERF_PID=$!
+}
+perf_stop() {
+	[ -n "$PERF_PID" ] || return 0
+	kill -INT "$PERF_PID" 2>/dev/null
+	wait "$PERF_PID" 2>/dev/null || true
+	PERF_PID=
 }
 
 check_delivered() {
@@ -442,6 +472,7 @@ echo "relay benchmark: $EVENTS events per measurement, $ROUNDS rounds, $IN_FLIGH
 echo "PostgreSQL $(sql -c 'SHOW server_version' | cut -d' ' -f1), $(nproc) cores, load average at start: $LOAD_START"
 echo "== latency: $LAT_RATE events/s to a healthy endpoint for ${LAT_SECS}s per phase;" \
 	"neighbours: ${SLOW_SECS}s per request, blackhole, $BACKLOG events of backlog each"
+[[ " $PARTS " == *" latency "* ]] || LAT_ROUNDS=0
 for ((round = 1; round <= LAT_ROUNDS; round++)); do
 	if ((round % 2)); then
 		latency alone
@@ -457,26 +488,29 @@ for ((round = 1; round <= LAT_ROUNDS; round++)); do
 		latency alone
 	fi
 done
-latency_results
+((LAT_ROUNDS == 0)) || latency_results
 # The neighbours and their backlog leave; the throughput measurements start clean.
 sql >/dev/null -c "SELECT idem_destination_drop('slow'), idem_destination_drop('black')"
 
 echo "== throughput"
+[[ " $PARTS " == *" throughput "* ]] || ROUNDS=0
+# measure_kind DEST WORKERS: measure, if DEST is among BENCH_KINDS.
+measure_kind() { [[ " $KINDS " == *" $1 "* ]] && measure "$@" || true; }
 for ((round = 1; round <= ROUNDS; round++)); do
 	echo "== round $round"
 	if ((round % 2)); then
-		measure hook 1; measure hook 2; run_floor 1; run_floor 2; run_wrk 1; run_wrk 2
+		measure_kind hook 1; measure_kind hook 2; run_floor 1; run_floor 2; run_wrk 1; run_wrk 2
 	else
-		run_wrk 2; run_wrk 1; run_floor 2; run_floor 1; measure hook 2; measure hook 1
+		run_wrk 2; run_wrk 1; run_floor 2; run_floor 1; measure_kind hook 2; measure_kind hook 1
 	fi
-	measure fn 1
-	measure fn 2
-	measure chan 1
-	measure chan 2
+	measure_kind fn 1
+	measure_kind fn 2
+	measure_kind chan 1
+	measure_kind chan 2
 done
 
-rate() { awk -v n="${COUNT[$1]}" -v s="${SECS[$1]}" 'BEGIN { printf "%.0f", n / s }'; }
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", a / b }'; }
+rate() { awk -v n="${COUNT[$1]:-0}" -v s="${SECS[$1]:-0}" 'BEGIN { if (s > 0) printf "%.0f", n / s; else printf "-" }'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a != "-" && b != "-" && b > 0) printf "%.2f", a / b; else printf "-" }'; }
 HTTP1=$(rate hook-w1)
 HTTP2=$(rate hook-w2)
 FLOOR1=$(rate floor-p1)

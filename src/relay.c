@@ -583,30 +583,45 @@ relay_read_claimed(MemoryContext cxt, RelayItem **items, int n)
 	"    ORDER BY w.next_attempt_at, w.seq" \
 	"   OFFSET greatest(k.take * $2, " CppAsString2(HEADS_WINDOW_MIN) ") LIMIT 1) w ON true"
 
-/* One more chain (or in-database delivery) held for destination id, in rooms. */
-void
-relay_rooms_count(RelayRooms *rooms, int32 id)
+/* The entry of destination id in rooms, added (with nothing held) if missing. */
+static int
+relay_rooms_slot(RelayRooms *rooms, int32 id)
 {
 	int			j;
 
 	for (j = 0; j < rooms->n; j++)
 		if (rooms->ids[j] == id)
-			break;
-	if (j == rooms->n)
+			return j;
+	if (rooms->n == rooms->size)
 	{
-		if (rooms->n == rooms->size)
-		{
-			rooms->size = Max(16, rooms->size * 2);
-			rooms->ids = rooms->ids ? repalloc(rooms->ids, sizeof(int32) * rooms->size)
-				: palloc(sizeof(int32) * rooms->size);
-			rooms->active = rooms->active ? repalloc(rooms->active, sizeof(int32) * rooms->size)
-				: palloc(sizeof(int32) * rooms->size);
-		}
-		rooms->ids[j] = id;
-		rooms->active[j] = 0;
-		rooms->n++;
+		rooms->size = Max(16, rooms->size * 2);
+		rooms->ids = rooms->ids ? repalloc(rooms->ids, sizeof(int32) * rooms->size)
+			: palloc(sizeof(int32) * rooms->size);
+		rooms->active = rooms->active ? repalloc(rooms->active, sizeof(int32) * rooms->size)
+			: palloc(sizeof(int32) * rooms->size);
 	}
+	rooms->ids[j] = id;
+	rooms->active[j] = 0;
+	rooms->n++;
+	return j;
+}
+
+/* One more chain (or in-database delivery) held for destination id, in rooms. */
+void
+relay_rooms_count(RelayRooms *rooms, int32 id)
+{
+	int			j = relay_rooms_slot(rooms, id);	/* may move rooms->active */
+
 	rooms->active[j]++;
+}
+
+/* Destination id takes nothing in this claim: rooms says it has no room. */
+void
+relay_rooms_block(RelayRooms *rooms, int32 id)
+{
+	int			j = relay_rooms_slot(rooms, id);	/* may move rooms->active */
+
+	rooms->active[j] = PG_INT32_MAX / 2;
 }
 
 /*
@@ -1022,8 +1037,10 @@ relay_array(Datum *values, bool *nulls, int n, Oid typid)
 /*
  * Step 3a: lock the in-database deliveries again and drop those whose claim
  * no longer stands (a relay that took over after our visibility deadline, or
- * a delivery that is no longer pending).  In the caller's transaction the
- * rows are still ours and this finds them all.
+ * a delivery that is no longer pending) or whose row another session holds
+ * (never waited for: the worker's loop would stall for every destination;
+ * the delivery is claimed again once its claim runs out).  In the caller's
+ * transaction the rows are still ours and this finds them all.
  */
 void
 relay_relock(RelayItem **items, int n, bool *any)
@@ -1059,7 +1076,7 @@ relay_relock(RelayItem **items, int n, bool *any)
 						 "       AS r(event_id, destination_id, claims, n),"
 						 "  LATERAL (SELECT d.state, d.claims FROM idempotency.deliveries d"
 						 "            WHERE d.event_id = r.event_id AND d.destination_id = r.destination_id"
-						 "            LIMIT 1 FOR UPDATE) x"
+						 "            LIMIT 1 FOR UPDATE SKIP LOCKED) x"
 						 " WHERE x.state = 'pending' AND x.claims = r.claims",
 						 3, argtypes);
 	values[0] = relay_array(ids, NULL, m, UUIDOID);
@@ -1095,7 +1112,9 @@ relay_relock(RelayItem **items, int n, bool *any)
  * hidden from other relays for another window from now.  One that is no
  * longer ours (its deadline passed after all and another relay claimed it,
  * or its destination was dropped) is not sent if it has not been, nor is
- * the rest of its chain.  Runs in a short transaction of its own; called
+ * the rest of its chain; nor is one whose row another session holds
+ * (an operator's SELECT ... FOR UPDATE): waiting for it would stall the
+ * worker's loop for every destination.  Runs in a short transaction of its own; called
  * while no transaction is open, with requests in flight (http_deliver).
  */
 void
@@ -1163,7 +1182,7 @@ relay_renew_claims(RelayItem **items, int n, RelayLease *lease)
 							 "   LATERAL (SELECT d.ctid AS tid FROM idempotency.deliveries d"
 							 "             WHERE d.event_id = r.event_id"
 							 "               AND d.destination_id = r.destination_id"
-							 "             LIMIT 1) x)"
+							 "             LIMIT 1 FOR UPDATE SKIP LOCKED) x)"
 							 " UPDATE idempotency.deliveries d"
 							 "    SET next_attempt_at = f.until, visible_until = f.until"
 							 "   FROM found f"

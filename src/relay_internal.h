@@ -62,6 +62,7 @@ extern Datum relay_array(Datum *values, bool *nulls, int n, Oid typid);
 extern List *relay_load_dests(MemoryContext cxt);
 extern RelayDest *relay_find_dest(List *dests, int32 id);
 extern void relay_rooms_count(RelayRooms *rooms, int32 id);
+extern void relay_rooms_block(RelayRooms *rooms, int32 id);
 extern void relay_rooms_take(RelayRooms *rooms, RelayItem **items, int first, int n);
 extern int	relay_claim(int max_events, int waves, RelayRooms *rooms, TimestampTz now,
 						MemoryContext cxt, RelayItem ***items, bool *backlog);

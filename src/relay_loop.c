@@ -95,6 +95,7 @@ static struct
 	int			nlocal;
 	int			local_size;
 	int			slice_size;		/* in-database deliveries a claim may hold: about a slice's */
+	RelayBatch *claiming;		/* the claim under way's batch, until its items hold it */
 } relay_loop;
 
 /* Append it to one of the loop's arrays, growing it as needed. */
@@ -324,17 +325,16 @@ relay_loop_record_in_step(int64 *attempted)
 }
 
 /*
- * Whether an outcome in done (not recorded: a lock held it up) has a claim
- * that ran out by now: the loop's claim at now could take its delivery
- * again, and must wait until the outcome is recorded.
+ * The destinations of outcomes in done (not recorded: a lock held them up)
+ * whose claims ran out by now take nothing in the claim at now, which could
+ * take those deliveries again; the other destinations' claims go on.
  */
-static bool
-relay_loop_done_expired(TimestampTz now)
+static void
+relay_loop_block_unrecorded(RelayRooms *rooms, TimestampTz now)
 {
 	for (int i = 0; i < relay_loop.ndone; i++)
 		if (relay_loop.done[i]->claimed_until <= now)
-			return true;
-	return false;
+			relay_rooms_block(rooms, relay_loop.done[i]->dest_id);
 }
 
 /*
@@ -418,16 +418,19 @@ relay_loop_next_due(void)
 	int			nfull = 0;
 
 	(void) relay_loop_active(&rooms);
+	relay_loop_block_unrecorded(&rooms, GetCurrentTimestamp());
 	full_ids = palloc(sizeof(int32) * Max(rooms.n, 1));
 	for (int i = 0; i < rooms.n; i++)
 	{
 		RelayDest  *d = NULL;
+		int32		room = PG_INT32_MAX / 2;	/* blocked, see relay_rooms_block */
 
 		for (int j = 0; j < relay_loop.nheld && d == NULL; j++)
 			if (relay_loop.held[j]->dest_id == rooms.ids[i])
 				d = relay_loop.held[j]->dest;
-		if (rooms.http_room <= 0 ||
-			(d != NULL && rooms.active[i] >= (d->circuit_open ? 1 : d->max_in_flight)))
+		if (d != NULL)
+			room = Min(room, d->circuit_open ? 1 : d->max_in_flight);
+		if (rooms.http_room <= 0 || rooms.active[i] >= room)
 			full_ids[nfull++] = rooms.ids[i];
 	}
 	return relay_next_due_except(full_ids, nfull);
@@ -464,13 +467,9 @@ relay_loop_claim(int max_events, int64 *attempted, TimestampTz *due, bool *backl
 	step.own_xact = true;
 	if (!relay_step_begin(&step, "idempotency relay: claim", true))
 		return -1;
-	/* Outcomes first; a claim could take again one not recorded whose claim ran out. */
-	if ((relay_loop.ndone > 0 || relay_endpoint_deferred()) &&
-		!relay_loop_record_in_step(attempted) && relay_loop_done_expired(now))
-	{
-		relay_step_end(&step);
-		return -1;
-	}
+	/* Outcomes first (those a lock holds up block their destination below). */
+	if (relay_loop.ndone > 0 || relay_endpoint_deferred())
+		(void) relay_loop_record_in_step(attempted);
 	if (!relay_schema_current(true))
 	{
 		/*
@@ -486,9 +485,11 @@ relay_loop_claim(int max_events, int64 *attempted, TimestampTz *due, bool *backl
 	batch->dest_generation = dest_generation;
 	batch->cxt = AllocSetContextCreate(relay_loop.cxt, "outbox relay claim",
 									   ALLOCSET_DEFAULT_SIZES);
+	relay_loop.claiming = batch;	/* an error before its items hold it: abandoned */
 	/* Rooms count the chains every relay loop of the database holds. */
 	if (!relay_inflight_try_lock())
 	{
+		relay_loop.claiming = NULL;
 		MemoryContextDelete(batch->cxt);
 		pfree(batch);
 		relay_step_end(&step);
@@ -496,6 +497,7 @@ relay_loop_claim(int max_events, int64 *attempted, TimestampTz *due, bool *backl
 	}
 	(void) relay_loop_active(&rooms);
 	relay_inflight_add_others(&rooms);
+	relay_loop_block_unrecorded(&rooms, now);
 	n = relay_claim(max_events, 1, &rooms, now, batch->cxt, &items, backlog);
 	if (n > 0)
 	{
@@ -549,6 +551,7 @@ relay_loop_claim(int max_events, int64 *attempted, TimestampTz *due, bool *backl
 		relay_loop_push(&relay_loop.local, &relay_loop.nlocal, &relay_loop.local_size, local[i]);
 		batch->live++;
 	}
+	relay_loop.claiming = NULL;
 	if (batch->live == 0)
 	{
 		MemoryContextDelete(batch->cxt);
@@ -704,6 +707,13 @@ relay_loop_local_slice(void)
 static void
 relay_loop_abandon(void)
 {
+	/* A claim that failed: its batch goes with it unless items of it joined the loop. */
+	if (relay_loop.claiming != NULL && relay_loop.claiming->live == 0)
+	{
+		MemoryContextDelete(relay_loop.claiming->cxt);
+		pfree(relay_loop.claiming);
+	}
+	relay_loop.claiming = NULL;
 	http_async_abandon();
 	for (int i = 0; i < relay_loop.nheld; i++)
 		relay_loop.held[i]->outcome = RELAY_SKIPPED;

@@ -520,15 +520,17 @@ WRK2=$(rate wrk-t2)
 judge() { awk -v v="$1" -v op="$2" -v t="$3" 'BEGIN { ok = (op == "<=") ? v <= t : (op == ">=") ? v >= t : v < t; print (ok ? "ok" : "MISSED") }'; }
 echo
 echo "== summary (load average at end: $(cut -d' ' -f1-3 /proc/loadavg))"
-echo "delivery latency, commit -> receipt by nginx, $LAT_RATE events/s, one per transaction:"
-printf '   %-38s %8s %8s %8s %9s\n' "" "p50 ms" "p99 ms" "max ms" "received"
-printf '   %-38s %8s %8s %8s %9s\n' "(a) alone" "${P50[alone]:-?}" "${P99[alone]:-?}" "${PMAX[alone]:-?}" \
-	"${NREC[alone]:-0}/${NPUB[alone]:-?}"
-printf '   %-38s %8s %8s %8s %9s\n' "(b) with a ${SLOW_SECS}-s and a blackhole neighbour" "${P50[neighbours]:-?}" \
-	"${P99[neighbours]:-?}" "${PMAX[neighbours]:-?}" "${NREC[neighbours]:-0}/${NPUB[neighbours]:-?}"
-LAT_RATIO=$(ratio "${P99[neighbours]:-0}" "${P99[alone]:-1}")
-printf '   %-38s %8s   target <= 1.5   %s\n' "ratio p99(b) / p99(a)" "$LAT_RATIO" "$(judge "$LAT_RATIO" '<=' 1.5)"
-printf '   %-38s %8s   target < 100    %s\n' "p99(b), ms" "${P99[neighbours]:-?}" "$(judge "${P99[neighbours]:-1e9}" '<' 100)"
+if ((LAT_ROUNDS > 0)); then
+	echo "delivery latency, commit -> receipt by nginx, $LAT_RATE events/s, one per transaction:"
+	printf '   %-38s %8s %8s %8s %9s\n' "" "p50 ms" "p99 ms" "max ms" "received"
+	printf '   %-38s %8s %8s %8s %9s\n' "(a) alone" "${P50[alone]:-?}" "${P99[alone]:-?}" "${PMAX[alone]:-?}" \
+		"${NREC[alone]:-0}/${NPUB[alone]:-?}"
+	printf '   %-38s %8s %8s %8s %9s\n' "(b) with a ${SLOW_SECS}-s and a blackhole neighbour" "${P50[neighbours]:-?}" \
+		"${P99[neighbours]:-?}" "${PMAX[neighbours]:-?}" "${NREC[neighbours]:-0}/${NPUB[neighbours]:-?}"
+	LAT_RATIO=$(ratio "${P99[neighbours]:-0}" "${P99[alone]:-1}")
+	printf '   %-38s %8s   target <= 1.5   %s\n' "ratio p99(b) / p99(a)" "$LAT_RATIO" "$(judge "$LAT_RATIO" '<=' 1.5)"
+	printf '   %-38s %8s   target < 100    %s\n' "p99(b), ms" "${P99[neighbours]:-?}" "$(judge "${P99[neighbours]:-1e9}" '<' 100)"
+fi
 echo
 echo "throughput (all rounds):"
 line() { printf '%-52s %10s  %s\n' "$@"; }

@@ -188,6 +188,8 @@ BEGIN
 				RETURN NEXT;
 			END IF;
 		END LOOP;
+		-- A storage parameter's "=" (ALTER TABLE ... SET (fillfactor = 70)) is syntax, not an operator.
+		l := regexp_replace(l, '(\m(SET|WITH)\s*\(\s*\w+\s*)=', '\1 ', 'gi');
 		l := regexp_replace(l, '=>|:=|::|\(\s*\*\s*\)|\.\*|(SELECT|RETURNING|,)\s*\*|%(ROW)?TYPE', ' ', 'gi');
 		l := regexp_replace(l, '(^|[(,]|\mDEFAULT|\mTHEN|\mELSE)(\s*)-(\s*\d)', '\1\2\3', 'gi');
 		FOR m IN SELECT regexp_matches(l, '([-+*/<>=~!@#%^&|`?]+|\m(IS\s+(NOT\s+)?DISTINCT\s+FROM|BETWEEN|I?LIKE|SIMILAR\s+TO|IN\s*\(|NULLIF|USING\s*\(|NATURAL|CASE\s+(?!WHEN\M)\w+))', 'gi') LOOP

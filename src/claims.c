@@ -49,6 +49,7 @@
 #include "storage/proc.h"
 #include "utils/builtins.h"
 #include "utils/guc.h"
+#include "utils/lsyscache.h"
 #include "utils/memutils.h"
 #include "utils/resowner.h"
 #include "utils/snapmgr.h"
@@ -289,10 +290,34 @@ ClaimsInit(void)
 text *
 claim_arg_text(FunctionCallInfo fcinfo, int argno, const char *name)
 {
+	Oid			type = get_fn_expr_argtype(fcinfo->flinfo, argno);
+
 	if (PG_ARGISNULL(argno))
 		ereport(ERROR,
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 				 errmsg("%s must not be null", name)));
+	/* Called without an expression (from C): the declared type. */
+	if (!OidIsValid(type) && fcinfo->flinfo != NULL && OidIsValid(fcinfo->flinfo->fn_oid))
+	{
+		Oid		   *argtypes;
+		int			nargs;
+
+		(void) get_func_signature(fcinfo->flinfo->fn_oid, &argtypes, &nargs);
+		if (argno < nargs)
+			type = argtypes[argno];
+	}
+	/*
+	 * A scope or source given as a tenant id (bigint, uuid: the overloads
+	 * that Citus delegates, see idem_citus_distribute) is its text form.
+	 */
+	if (OidIsValid(type) && type != TEXTOID)
+	{
+		Oid			output;
+		bool		varlena;
+
+		getTypeOutputInfo(type, &output, &varlena);
+		return cstring_to_text(OidOutputFunctionCall(output, PG_GETARG_DATUM(argno)));
+	}
 	return PG_GETARG_TEXT_PP(argno);
 }
 
@@ -634,7 +659,7 @@ claim_takeover(Relation rel, text *scope, text *key, IdemRecord *rec,
 				 errdetail("Its owner's lease expired; only a claim with a lease can take it over."),
 				 errhint("Pass a lease to idem_claim().")));
 
-	rec->token = records_next_token();
+	rec->token = records_next_token(rec->token);
 	rec->has_lease = true;
 	rec->lease_expires_at = lease_expires_at;
 	rec->claimed_at = now;
@@ -648,19 +673,20 @@ claim_takeover(Relation rel, text *scope, text *key, IdemRecord *rec,
 
 /*
  * Start a multi-phase operation: its 'processing' record commits with this
- * transaction, with a token no earlier claim of the key ever had.
+ * transaction, with a token no earlier claim of the key ever had (greater
+ * than token_after, the token of the expired record it replaces, if any).
  */
 static void
 claim_multi_phase(Relation rel, text *scope, text *key, bytea *fingerprint,
 				  TimestampTz now, int64 ttl, TimestampTz lease_expires_at,
-				  ClaimAnswer *answer)
+				  int64 token_after, ClaimAnswer *answer)
 {
 	IdemRecord	rec;
 
 	memset(&rec, 0, sizeof(rec));
 	rec.completed = false;
 	rec.fingerprint = fingerprint;
-	rec.token = records_next_token();
+	rec.token = records_next_token(token_after);
 	rec.has_lease = true;
 	rec.lease_expires_at = lease_expires_at;
 	rec.created_at = now;
@@ -704,8 +730,8 @@ claim_decide(text *scope, text *key, bytea *fingerprint, int64 ttl,
 	TimestampTz lease_expires_at;
 
 	memset(answer, 0, sizeof(*answer));
-	rel = records_open(AccessShareLock);
-	pkey = records_open_pkey();
+	rel = records_open(scope, AccessShareLock);
+	pkey = records_open_pkey(rel);
 	claim_locktag(&tag, scope, key);
 	ItemPointerSetInvalid(&seen_tid);
 
@@ -806,7 +832,7 @@ claim_decide(text *scope, text *key, bytea *fingerprint, int64 ttl,
 	/* A claim that writes now: a takeover, an expired record, a lease. */
 	if (standing == RECORD_TAKEOVER || found || lease_expires_at != 0)
 	{
-		rel = records_open(RowExclusiveLock);
+		rel = records_open(scope, RowExclusiveLock);
 		if (standing == RECORD_TAKEOVER)
 			claim_takeover(rel, scope, key, &rec, now, lease_expires_at, answer);
 		else
@@ -816,7 +842,7 @@ claim_decide(text *scope, text *key, bytea *fingerprint, int64 ttl,
 				records_delete_expired(rel, &rec.tid, Anum_records_scope, scope, key);
 			if (lease_expires_at != 0)
 				claim_multi_phase(rel, scope, key, fingerprint, now, ttl,
-								  lease_expires_at, answer);
+								  lease_expires_at, found ? rec.token : 0, answer);
 		}
 		table_close(rel, NoLock);
 		if (standing == RECORD_TAKEOVER || lease_expires_at != 0)
@@ -892,7 +918,7 @@ claim_succeed(text *scope, text *key, int32 status, Jsonb *body, Jsonb *headers)
 	rec.claimed_at = e->created_at;
 	rec.owner = e->owner;
 
-	rel = records_open(RowExclusiveLock);
+	rel = records_open(scope, RowExclusiveLock);
 	records_insert(rel, scope, key, &rec);
 	table_close(rel, NoLock);
 
@@ -1087,8 +1113,8 @@ idem_replay(PG_FUNCTION_ARGS)
 	claim_scope_key_args(fcinfo, &scope, &key);
 	InitMaterializedSRF(fcinfo, 0);
 
-	rel = records_open(AccessShareLock);
-	pkey = records_open_pkey();
+	rel = records_open(scope, AccessShareLock);
+	pkey = records_open_pkey(rel);
 	found = records_lookup(rel, pkey, GetActiveSnapshot(), scope, key, &rec);
 	index_close(pkey, NoLock);
 	table_close(rel, NoLock);

@@ -19,6 +19,7 @@
 #include "outbox.h"
 #include "records.h"
 #include "relay.h"
+#include "shards.h"
 #include "stats.h"
 #include "worker.h"
 
@@ -38,6 +39,7 @@ _PG_init(void)
 	RecordsInit();
 	LockHashInit();
 	InboxInit();
+	ShardsInit();
 	StatsInit();
 	WorkerInit();
 	OutboxInit();

@@ -48,6 +48,7 @@
 #include "inbox.h"
 #include "lockhash.h"
 #include "records.h"
+#include "shards.h"
 #include "stats.h"
 
 #define INBOX_TABLE		"inbox"
@@ -64,17 +65,21 @@ InboxInit(void)
 }
 
 /*
- * Open idempotency.inbox, with a clear error if the installed version lacks
- * it or has other columns.  The caller keeps the lock (closes with NoLock).
+ * Open the relation that holds the marks of source: idempotency.inbox, or,
+ * when Citus distributes it, its local shard for source (shards.c).  A clear
+ * error if the installed version lacks it or has other columns.  The caller
+ * keeps the lock (closes with NoLock).
  */
 static Relation
-inbox_open(LOCKMODE lockmode)
+inbox_open(text *source, LOCKMODE lockmode)
 {
 	Relation	rel;
+	ShardTarget target;
 
 	if (!idem_relcache_resolve(&inbox_rels))
 		idem_report_missing(INBOX_TABLE);
-	rel = table_open(inbox_rels.oids[0], lockmode);
+	shard_resolve(inbox_rels.oids[0], inbox_rels.oids[1], source, &target);
+	rel = table_open(target.relid, lockmode);
 	records_check_columns(rel, Natts_inbox);
 	return rel;
 }
@@ -114,7 +119,7 @@ inbox_lookup(Relation rel, Snapshot snapshot, text *source, text *message_id,
 	ScanKeyInit(&skey[1], Anum_inbox_message_id, BTEqualStrategyNumber,
 				F_TEXTEQ, PointerGetDatum(message_id));
 
-	scan = systable_beginscan(rel, inbox_rels.oids[1], true, snapshot, 2, skey);
+	scan = systable_beginscan(rel, shard_pkey_of(rel, inbox_rels.oids[1]), true, snapshot, 2, skey);
 	tuple = systable_getnext(scan);
 	if (HeapTupleIsValid(tuple))
 	{
@@ -139,8 +144,8 @@ static void
 inbox_insert(Relation rel, text *source, text *message_id,
 			 TimestampTz accepted_at, TimestampTz expires_at)
 {
-	Datum		values[Natts_inbox];
-	bool		nulls[Natts_inbox];
+	Datum		values[Natts_inbox + 1];
+	bool		nulls[Natts_inbox + 1];
 	HeapTuple	tuple;
 
 	memset(nulls, false, sizeof(nulls));
@@ -149,6 +154,9 @@ inbox_insert(Relation rel, text *source, text *message_id,
 	values[Anum_inbox_accepted_at - 1] = TimestampTzGetDatum(accepted_at);
 	values[Anum_inbox_expires_at - 1] = TimestampTzGetDatum(expires_at);
 	values[Anum_inbox_owner - 1] = ObjectIdGetDatum(GetUserId());
+	/* A shard of a table distributed by tenant: the source as a tenant value. */
+	if (RelationGetDescr(rel)->natts > Natts_inbox)
+		values[Natts_inbox] = shard_tenant_value(rel, Natts_inbox, source);
 
 	tuple = heap_form_tuple(RelationGetDescr(rel), values, nulls);
 	simple_heap_insert(rel, tuple);
@@ -246,7 +254,7 @@ idem_inbox_accept(PG_FUNCTION_ARGS)
 	inbox_check_args(source, message_id);
 	expires_at = claim_expiry(fcinfo, 2, now);
 
-	rel = inbox_open(AccessShareLock);
+	rel = inbox_open(source, AccessShareLock);
 
 	/* A live mark visible to this statement: a duplicate, no lock, no write. */
 	if (inbox_lookup(rel, GetActiveSnapshot(), source, message_id, &mark) &&
@@ -289,7 +297,7 @@ idem_inbox_accept(PG_FUNCTION_ARGS)
 		PG_RETURN_BOOL(false);
 	}
 
-	rel = inbox_open(RowExclusiveLock);
+	rel = inbox_open(source, RowExclusiveLock);
 	if (found)
 	{
 		/* An expired mark behaves as if it were gone: remove it for ours. */

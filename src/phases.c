@@ -49,7 +49,7 @@
 static bool
 phase_lookup(Relation rel, text *scope, text *key, IdemRecord *rec)
 {
-	Relation	pkey = records_open_pkey();
+	Relation	pkey = records_open_pkey(rel);
 	bool		found = records_lookup(rel, pkey, SnapshotSelf, scope, key, rec);
 
 	index_close(pkey, NoLock);
@@ -105,7 +105,7 @@ phase_token_arg(FunctionCallInfo fcinfo, int argno)
 static Relation
 phase_open(text *scope, text *key, const char *caller)
 {
-	Relation	rel = records_open(RowExclusiveLock);
+	Relation	rel = records_open(scope, RowExclusiveLock);
 
 	claim_lock_hold(scope, key, caller);
 	return rel;
@@ -371,7 +371,7 @@ idem_resolve_complete(PG_FUNCTION_ARGS)
 	note = phase_text_arg(fcinfo, 5, "note", IDEM_MAX_NOTE_LEN);
 	rel = resolve_fetch(fcinfo, &scope, &key, &rec, "idem_resolve_complete");
 	token_before = rec.token;
-	rec.token = records_next_token();
+	rec.token = records_next_token(rec.token);
 	phase_complete(&rec, PG_GETARG_INT32(2),
 				   PG_ARGISNULL(3) ? NULL : PG_GETARG_JSONB_P(3),
 				   PG_ARGISNULL(4) ? NULL : PG_GETARG_JSONB_P(4));
@@ -398,7 +398,7 @@ idem_resolve_release(PG_FUNCTION_ARGS)
 	note = phase_text_arg(fcinfo, 2, "note", IDEM_MAX_NOTE_LEN);
 	rel = resolve_fetch(fcinfo, &scope, &key, &rec, "idem_resolve_release");
 	token_before = rec.token;
-	rec.token = records_next_token();
+	rec.token = records_next_token(rec.token);
 	rec.has_lease = true;
 	rec.lease_expires_at = GetCurrentTimestamp();
 	phase_store(rel, scope, key, &rec);

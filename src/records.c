@@ -58,6 +58,7 @@
 
 #include "compat.h"
 #include "records.h"
+#include "shards.h"
 #include "stats.h"
 
 #define RECORDS_SCHEMA		"idempotency"
@@ -162,12 +163,13 @@ idem_report_missing(const char *relname)
 /*
  * Refuse a table of the extension whose columns are not the ones this
  * library reads and writes: the library was upgraded (make install and a
- * restart) but ALTER EXTENSION UPDATE has not run yet.
+ * restart) but ALTER EXTENSION UPDATE has not run yet.  The tenant column
+ * that idem_citus_distribute may add last (shards.h) is the one exception.
  */
 void
 records_check_columns(Relation rel, int natts)
 {
-	if (RelationGetDescr(rel)->natts != natts)
+	if (RelationGetDescr(rel)->natts != natts && !shard_has_tenant_column(rel, natts))
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("table idempotency.%s does not match the idempotency library",
@@ -178,41 +180,59 @@ records_check_columns(Relation rel, int natts)
 }
 
 /*
- * Open idempotency.records with the given lock mode, which the caller keeps
- * until its transaction ends (table_close with NoLock).
+ * Open the relation that holds the records of scope with the given lock
+ * mode, which the caller keeps until its transaction ends (table_close with
+ * NoLock): idempotency.records, or, when Citus distributes it, its local
+ * shard for scope (shards.c; 40001 if the shard is not on this node).
  */
 Relation
-records_open(LOCKMODE lockmode)
+records_open(text *scope, LOCKMODE lockmode)
 {
 	Relation	rel;
+	ShardTarget target;
 
 	if (!idem_relcache_resolve(&records_rels))
 		idem_report_missing(TOKENS_SEQUENCE);
-	rel = table_open(records_rels.oids[0], lockmode);
+	shard_resolve(records_rels.oids[0], records_rels.oids[1], scope, &target);
+	rel = table_open(target.relid, lockmode);
 	records_check_columns(rel, Natts_records);
 	return rel;
 }
 
 /*
- * Open the primary key of idempotency.records (after records_open) for
- * lookups; the caller closes it with NoLock.
+ * Open the primary key of rel (from records_open) for lookups; the caller
+ * closes it with NoLock.
  */
 Relation
-records_open_pkey(void)
+records_open_pkey(Relation rel)
 {
-	return index_open(records_rels.oids[1], AccessShareLock);
+	return index_open(shard_pkey_of(rel, records_rels.oids[1]), AccessShareLock);
 }
 
 /*
- * The next fencing token: database-wide and increasing, so a token handed out
+ * The next fencing token of a key whose current token is after (0 for a key
+ * without a record): database-wide and increasing, so a token handed out
  * for a key is never handed out again for it, whatever expired or was
  * deleted in between.  The sequence starts above every per-key counter that
- * version 1.1 handed out.
+ * version 1.1 handed out.  Each node of a Citus cluster has a sequence of
+ * its own: a record that a shard move brought here may carry a token of
+ * another node's sequence, ahead of this one, and the next token of its key
+ * must still be greater.
  */
 int64
-records_next_token(void)
+records_next_token(int64 after)
 {
-	return nextval_internal(records_rels.oids[2], false);
+	int64		token = nextval_internal(records_rels.oids[2], false);
+
+	if (token <= after)
+	{
+		if (after == PG_INT64_MAX)
+			ereport(ERROR,
+					(errcode(ERRCODE_SEQUENCE_GENERATOR_LIMIT_EXCEEDED),
+					 errmsg("the fencing tokens of this key are used up")));
+		token = after + 1;
+	}
+	return token;
 }
 
 /*
@@ -276,8 +296,8 @@ copy_text(Datum value, bool isnull)
 static void
 record_from_tuple(Relation rel, HeapTuple tuple, IdemRecord *rec)
 {
-	Datum		values[Natts_records];
-	bool		nulls[Natts_records];
+	Datum		values[Natts_records + 1];
+	bool		nulls[Natts_records + 1];
 	text	   *state;
 
 	heap_deform_tuple(tuple, RelationGetDescr(rel), values, nulls);
@@ -402,8 +422,8 @@ records_index_insert(Relation rel, HeapTuple tuple, bool only_summarizing)
 static HeapTuple
 record_form_tuple(Relation rel, text *scope, text *key, const IdemRecord *rec)
 {
-	Datum		values[Natts_records];
-	bool		nulls[Natts_records];
+	Datum		values[Natts_records + 1];
+	bool		nulls[Natts_records + 1];
 
 	memset(nulls, false, sizeof(nulls));
 	values[Anum_records_scope - 1] = PointerGetDatum(scope);
@@ -430,6 +450,9 @@ record_form_tuple(Relation rel, text *scope, text *key, const IdemRecord *rec)
 	values[Anum_records_claimed_at - 1] = TimestampTzGetDatum(rec->claimed_at);
 	values[Anum_records_owner - 1] = ObjectIdGetDatum(rec->owner);
 	nulls[Anum_records_owner - 1] = !OidIsValid(rec->owner);
+	/* A shard of a table distributed by tenant: the scope as a tenant value. */
+	if (RelationGetDescr(rel)->natts > Natts_records)
+		values[Natts_records] = shard_tenant_value(rel, Natts_records, scope);
 
 	return heap_form_tuple(RelationGetDescr(rel), values, nulls);
 }

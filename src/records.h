@@ -98,8 +98,8 @@ extern bool idem_relcache_resolve(IdemRelCache *cache);
 extern void RecordsInit(void);
 pg_noreturn extern void idem_report_missing(const char *relname);
 extern void records_check_columns(Relation rel, int natts);
-extern Relation records_open(LOCKMODE lockmode);
-extern Relation records_open_pkey(void);
+extern Relation records_open(text *scope, LOCKMODE lockmode);
+extern Relation records_open_pkey(Relation rel);
 extern bool records_lookup(Relation rel, Relation pkey, Snapshot snapshot,
 						   text *scope, text *key, IdemRecord *rec);
 extern void records_insert(Relation rel, text *scope, text *key,
@@ -115,7 +115,7 @@ extern void records_delete_expired(Relation rel, ItemPointer tid,
 								   AttrNumber scope_attnum, text *scope, text *key);
 extern void records_index_insert(Relation rel, HeapTuple tuple,
 								 bool only_summarizing);
-extern int64 records_next_token(void);
+extern int64 records_next_token(int64 after);
 
 extern bool idem_role_may_use(Oid owner);
 pg_noreturn extern void records_deny(text *scope, text *key);

@@ -69,6 +69,7 @@
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
 #include "utils/snapmgr.h"
+#include "utils/syscache.h"
 #include "utils/timestamp.h"
 #include "utils/varlena.h"
 
@@ -76,6 +77,7 @@
 #include "inbox.h"
 #include "outbox.h"
 #include "relay.h"
+#include "shards.h"
 #include "stats.h"
 #include "worker.h"
 
@@ -121,11 +123,12 @@ typedef void (*CleanupLockTag) (LOCKTAG *tag, text *a, text *b);
 typedef struct CleanupTarget
 {
 	const char *relname;		/* in schema idempotency */
-	const char *query;			/* expired rows of a TID window */
+	const char *query;			/* expired rows of a TID window, FROM %s */
 	const char *activity;		/* for pg_stat_activity */
 	CleanupLockTag locktag;		/* the lock a claim or delivery holds */
 	int			natts;			/* its columns in this version of the extension */
-	SPIPlanPtr	plan;			/* saved on first use */
+	SPIPlanPtr	plan;			/* saved on first use, for plan_relid */
+	Oid			plan_relid;		/* the table, or one of its Citus shards */
 } CleanupTarget;
 
 /*
@@ -141,16 +144,16 @@ static CleanupTarget cleanup_targets[] = {
 	{
 		"records",
 		"SELECT ctid, scope, key, state OPERATOR(pg_catalog.=) 'processing', expires_at"
-		" FROM idempotency.records" CLEANUP_WINDOW_SQL,
+		" FROM %s" CLEANUP_WINDOW_SQL,
 		"deleting expired rows of idempotency.records",
-		claim_locktag, Natts_records, NULL
+		claim_locktag, Natts_records, NULL, InvalidOid
 	},
 	{
 		"inbox",
 		"SELECT ctid, source, message_id, false, expires_at"
-		" FROM idempotency.inbox" CLEANUP_WINDOW_SQL,
+		" FROM %s" CLEANUP_WINDOW_SQL,
 		"deleting expired rows of idempotency.inbox",
-		inbox_locktag, Natts_inbox, NULL
+		inbox_locktag, Natts_inbox, NULL, InvalidOid
 	},
 };
 
@@ -164,10 +167,18 @@ typedef struct CleanupPass
 	int64		deleted;
 	int64		processing;		/* due 'processing' records left in place */
 	TimestampTz oldest_left;	/* oldest due row left to a claim in flight, or 0 */
-	/* the table being cleaned */
+	/*
+	 * The relations of the target being cleaned: the table itself, or its
+	 * local Citus shards (shards.c); cleanup_target_begin's buffer.
+	 */
+	Oid		   *relids;
+	int			nrelids;
+	int			rel_index;		/* the one being cleaned */
+	/* the relation being cleaned */
 	BlockNumber nblocks;		/* its size when its scan began */
 	ItemPointerData cursor;		/* rows after this one are still to be seen */
-	bool		table_done;
+	bool		rel_done;		/* walked to its end */
+	bool		table_done;		/* every relation of the target is done */
 } CleanupPass;
 
 /* What happened to one due row. */
@@ -392,13 +403,55 @@ cleanup_row(CleanupTarget *target, Relation rel, ItemPointer tid, text *a, text 
 	return ROW_GONE;			/* keep the compiler quiet */
 }
 
-/* Start the pass over a table: from its first block to its current end. */
+/* Start the pass over a relation: from its first block to its current end. */
 static void
 cleanup_table_begin(CleanupPass *pass, Relation rel)
 {
 	pass->nblocks = RelationGetNumberOfBlocks(rel);
 	ItemPointerSet(&pass->cursor, 0, 0);	/* offset 0: before the first row */
-	pass->table_done = false;
+	pass->rel_done = false;
+}
+
+/*
+ * Start the pass over a target: the relations that hold its rows on this
+ * node, the table itself or its local shards.  relid is the table.
+ */
+static void
+cleanup_target_begin(CleanupPass *pass, Oid relid)
+{
+	/* Kept from pass to pass: a pass that an error ends leaks nothing. */
+	static Oid *relids_buf = NULL;
+	static int	relids_size = 0;
+	List	   *relids = shard_local_relids(relid);
+	ListCell   *lc;
+
+	if (relids_size < list_length(relids) || relids_buf == NULL)
+	{
+		relids_size = Max(list_length(relids), 16);
+		relids_buf = relids_buf ? repalloc(relids_buf, sizeof(Oid) * relids_size)
+			: MemoryContextAlloc(TopMemoryContext, sizeof(Oid) * relids_size);
+	}
+	pass->relids = relids_buf;
+	pass->nrelids = 0;
+	foreach(lc, relids)
+		pass->relids[pass->nrelids++] = lfirst_oid(lc);
+	pass->rel_index = 0;
+	pass->rel_done = true;		/* begin the first relation at the next batch */
+	pass->table_done = (pass->nrelids == 0);
+}
+
+/*
+ * After a batch: once the relation is walked to its end, the next one is
+ * begun at the next batch, and once there is none, the target is done.
+ */
+static void
+cleanup_rel_next(CleanupPass *pass)
+{
+	if (!pass->rel_done)
+		return;
+	pass->rel_index++;
+	if (pass->rel_index >= pass->nrelids)
+		pass->table_done = true;
 }
 
 /*
@@ -420,25 +473,34 @@ cleanup_batch(CleanupTarget *target, Relation rel, CleanupPass *pass)
 
 	if (start >= pass->nblocks)
 	{
-		pass->table_done = true;
+		pass->rel_done = true;
 		return 0;
 	}
 	end = (pass->nblocks - start > CLEANUP_WINDOW_BLOCKS) ?
 		start + CLEANUP_WINDOW_BLOCKS : pass->nblocks;
 	ItemPointerSet(&end_tid, end, 0);
 
-	if (target->plan == NULL)
+	if (target->plan == NULL || target->plan_relid != RelationGetRelid(rel))
 	{
 		Oid			argtypes[4] = {TIDOID, TIDOID, TIMESTAMPTZOID, INT8OID};
 		SPIPlanPtr	plan;
+		char	   *query;
 
+		if (target->plan != NULL)
+			SPI_freeplan(target->plan);
+		target->plan = NULL;
+		query = psprintf(target->query,
+						 quote_qualified_identifier(get_namespace_name(RelationGetNamespace(rel)),
+													RelationGetRelationName(rel)));
 		/* A generic plan keeps the TID range scan whatever the estimates. */
-		plan = SPI_prepare_cursor(target->query, 4, argtypes, CURSOR_OPT_GENERIC_PLAN);
+		plan = SPI_prepare_cursor(query, 4, argtypes, CURSOR_OPT_GENERIC_PLAN);
 		if (plan == NULL)
 			elog(ERROR, "SPI_prepare_cursor failed: %s", SPI_result_code_string(SPI_result));
 		if (SPI_keepplan(plan) != 0)
 			elog(ERROR, "SPI_keepplan failed");
 		target->plan = plan;
+		target->plan_relid = RelationGetRelid(rel);
+		pfree(query);
 	}
 
 	args[0] = PointerGetDatum(&pass->cursor);
@@ -496,6 +558,8 @@ cleanup_batch(CleanupTarget *target, Relation rel, CleanupPass *pass)
 		pass->cursor = last;
 	else
 		ItemPointerSet(&pass->cursor, end, 0);
+	if (ItemPointerGetBlockNumberNoCheck(&pass->cursor) >= pass->nblocks)
+		pass->rel_done = true;
 	pass->deleted += deleted;
 	return deleted;
 }
@@ -551,20 +615,26 @@ idem_cleanup(PG_FUNCTION_ARGS)
 	{
 		CleanupTarget *target = &cleanup_targets[t];
 		Oid			relid = cleanup_relid(target->relname);
-		Relation	rel;
-		Oid			save_userid;
-		int			save_sec_context;
 
 		if (!OidIsValid(relid))
 			idem_report_missing(target->relname);
-		rel = table_open(relid, RowExclusiveLock);
-		records_check_columns(rel, target->natts);
-		cleanup_become_owner(rel, &save_userid, &save_sec_context);
-		cleanup_table_begin(&pass, rel);
-		while (!pass.table_done)
-			(void) cleanup_batch(target, rel, &pass);
-		SetUserIdAndSecContext(save_userid, save_sec_context);
-		table_close(rel, NoLock);
+		LockRelationOid(relid, RowExclusiveLock);
+		/* The table, or on a Citus node its shards here. */
+		cleanup_target_begin(&pass, relid);
+		for (int r = 0; r < pass.nrelids; r++)
+		{
+			Relation	rel = table_open(pass.relids[r], RowExclusiveLock);
+			Oid			save_userid;
+			int			save_sec_context;
+
+			records_check_columns(rel, target->natts);
+			cleanup_become_owner(rel, &save_userid, &save_sec_context);
+			cleanup_table_begin(&pass, rel);
+			while (!pass.rel_done)
+				(void) cleanup_batch(target, rel, &pass);
+			SetUserIdAndSecContext(save_userid, save_sec_context);
+			table_close(rel, NoLock);
+		}
 	}
 	SPI_finish();
 
@@ -654,6 +724,39 @@ typedef enum WorkerBatchResult
 } WorkerBatchResult;
 
 /*
+ * One batch of the relation the pass is at (the table relid, locked, or one
+ * of its shards), then on to the next relation once it is done.  A shard
+ * that is locked makes the pass give up, like the table; one that is gone
+ * (moved away, and dropped) is passed over.
+ */
+static WorkerBatchResult
+worker_batch_relation(CleanupTarget *target, CleanupPass *pass, Oid relid, int64 *deleted)
+{
+	Oid			rel_relid = pass->relids[pass->rel_index];
+
+	if (rel_relid != relid && !ConditionalLockRelationOid(rel_relid, RowExclusiveLock))
+		return BATCH_BUSY;
+	if (!SearchSysCacheExists1(RELOID, ObjectIdGetDatum(rel_relid)))
+		pass->rel_done = true;
+	else
+	{
+		Relation	rel = table_open(rel_relid, NoLock);
+		Oid			save_userid;
+		int			save_sec_context;
+
+		records_check_columns(rel, target->natts);
+		cleanup_become_owner(rel, &save_userid, &save_sec_context);
+		if (pass->rel_done)
+			cleanup_table_begin(pass, rel);
+		*deleted = cleanup_batch(target, rel, pass);
+		SetUserIdAndSecContext(save_userid, save_sec_context);
+		table_close(rel, NoLock);
+	}
+	cleanup_rel_next(pass);
+	return BATCH_DONE;
+}
+
+/*
  * One batch of the worker's pass, in its own transaction, as worker_spi does
  * its work.  The table is locked without waiting: a DROP EXTENSION or a
  * TRUNCATE in progress makes the pass give up until the next interval.
@@ -681,17 +784,11 @@ worker_batch(CleanupTarget *target, CleanupPass *pass, bool first)
 		result = BATCH_ABSENT;	/* dropped between the lookup and the lock */
 	else
 	{
-		Relation	rel = table_open(relid, NoLock);
-		Oid			save_userid;
-		int			save_sec_context;
-
-		records_check_columns(rel, target->natts);
-		cleanup_become_owner(rel, &save_userid, &save_sec_context);
+		/* The table, or on a Citus node its shards here, one after the other. */
 		if (first)
-			cleanup_table_begin(pass, rel);
-		deleted = cleanup_batch(target, rel, pass);
-		SetUserIdAndSecContext(save_userid, save_sec_context);
-		table_close(rel, NoLock);
+			cleanup_target_begin(pass, relid);
+		if (!pass->table_done)
+			result = worker_batch_relation(target, pass, relid, &deleted);
 	}
 
 	SPI_finish();

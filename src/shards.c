@@ -1,0 +1,466 @@
+/*-------------------------------------------------------------------------
+ *
+ * shards.c
+ *	  Citus: reach the local shard of a distributed table of the extension.
+ *
+ * On a Citus cluster idempotency.records and idempotency.inbox may be
+ * distributed by the scope (the inbox's source), colocated with the tenant
+ * tables, so that a record lives on the node that holds the tenant's rows
+ * and the claim, the domain write and the stored response commit in one
+ * local transaction of that node (see idem_citus_distribute).  The
+ * distributed table itself is then an empty shell on every node: Citus
+ * keeps the rows in shards, plain tables named <table>_<shardid>, and knows
+ * nothing of the library's writes, which go straight to the heap.  So every
+ * function that reads or writes those tables asks shard_resolve which
+ * relation holds the rows of its scope, and never falls back to the shell.
+ *
+ * shard_resolve hashes the scope the way Citus hashes the distribution
+ * column (the type's standard hash function, under the column's
+ * collation), finds the shard whose hash range covers it, and takes the
+ * lock that Citus's own writers take on the shard's metadata: an advisory
+ * lock of class 8 on (colocation id, shard index) in share mode, which a
+ * shard move or split takes in exclusive mode on every node before it
+ * switches the placement.  A write that began before the switch therefore
+ * commits before the move does, and is carried along by the move's logical
+ * replication; one that begins after sees the new placement.  The map from
+ * hash ranges to shards comes from Citus's catalogs, is cached per backend,
+ * and is dropped on a relcache invalidation of the distributed table (which
+ * Citus sends whenever a placement of one of its shards changes); after
+ * taking the lock, pending invalidations are read, so the map used is never
+ * older than the lock.  A scope whose shard has no placement on this node
+ * is refused with 40001: the call did not reach the node that holds it
+ * (Citus did not delegate it, or the shard moved meanwhile).
+ *
+ * Without Citus, or while the table is not distributed, shard_resolve
+ * returns the table itself, at the cost of one flag test.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "access/htup_details.h"
+#include "access/relation.h"
+#include "catalog/namespace.h"
+#include "catalog/pg_type.h"
+#include "commands/extension.h"
+#include "executor/spi.h"
+#include "miscadmin.h"
+#include "nodes/primnodes.h"
+#include "storage/lmgr.h"
+#include "storage/lock.h"
+#include "utils/builtins.h"
+#include "utils/inval.h"
+#include "utils/lsyscache.h"
+#include "utils/memutils.h"
+#include "utils/snapmgr.h"
+#include "utils/typcache.h"
+
+#include "shards.h"
+
+/* Citus's advisory lock class of a colocated shard's metadata (resource_lock.h). */
+#define CITUS_COLOCATED_SHARDS_METADATA_LOCK	8
+
+/* One shard of a distributed table: its hash range and, if here, its relation. */
+typedef struct ShardEntry
+{
+	int64		shardid;
+	int32		min_hash;
+	int32		max_hash;
+	bool		local;			/* has a placement in this node's group */
+	Oid			relid;			/* the shard here, once looked up */
+	Oid			pkey;			/* its primary key */
+} ShardEntry;
+
+/* What a backend knows of one table of the extension that Citus may distribute. */
+typedef struct ShardMap
+{
+	Oid			relid;			/* the table (the shell, when distributed) */
+	bool		valid;			/* false: read the catalogs again first */
+	bool		distributed;
+	uint32		colocation_id;
+	AttrNumber	dist_attno;		/* the distribution column */
+	bool		dist_is_key;	/* it is the table's text key (attribute 1) */
+	Oid			dist_collation;
+	Oid			typinput;		/* for a tenant column: its type's input function */
+	Oid			typioparam;
+	int32		typmod;
+	FmgrInfo	hash;
+	int			nshards;
+	ShardEntry *shards;			/* in hash range order, as Citus numbers them */
+	MemoryContext cxt;
+} ShardMap;
+
+/* records and inbox; a slot is taken by the first table that asks. */
+#define SHARD_MAX_MAPS 4
+static ShardMap shard_maps[SHARD_MAX_MAPS];
+static int	shard_nmaps = 0;
+
+/* Mark the map of relid (every map, for a cache reset) to be read again. */
+static void
+shard_relcache_callback(Datum arg, Oid relid)
+{
+	for (int i = 0; i < shard_nmaps; i++)
+		if (relid == InvalidOid || shard_maps[i].relid == relid)
+			shard_maps[i].valid = false;
+}
+
+/* Register the invalidation callback; called once from _PG_init. */
+void
+ShardsInit(void)
+{
+	CacheRegisterRelcacheCallback(shard_relcache_callback, (Datum) 0);
+}
+
+/* Run a catalog query with the latest snapshot; the caller is connected to SPI. */
+static void
+shard_query(const char *sql, Oid relid)
+{
+	Oid			argtypes[1] = {OIDOID};
+	Datum		values[1] = {ObjectIdGetDatum(relid)};
+	SPIPlanPtr	plan = SPI_prepare(sql, 1, argtypes);
+
+	if (plan == NULL)
+		elog(ERROR, "SPI_prepare failed: %s", SPI_result_code_string(SPI_result));
+	/*
+	 * The latest snapshot, not the transaction's: under REPEATABLE READ a
+	 * transaction snapshot taken before a shard move would still show the
+	 * old placement, and the write would go to a shard about to be dropped.
+	 */
+	if (SPI_execute_snapshot(plan, values, NULL, GetLatestSnapshot(), InvalidSnapshot,
+							 true, false, 0) != SPI_OK_SELECT)
+		elog(ERROR, "could not read the Citus metadata of relation %u", relid);
+}
+
+/*
+ * Whether rel's last column is the tenant column that idem_citus_distribute
+ * adds after the natts columns the library knows.
+ */
+bool
+shard_has_tenant_column(Relation rel, int natts)
+{
+	TupleDesc	desc = RelationGetDescr(rel);
+
+	return desc->natts == natts + 1 &&
+		strcmp(NameStr(TupleDescAttr(desc, natts)->attname), SHARD_TENANT_COLUMN) == 0;
+}
+
+/* Read what the map needs from the distribution column (attribute attno of the shell). */
+static void
+shard_map_column(ShardMap *map, Relation shell, AttrNumber attno)
+{
+	TupleDesc	desc = RelationGetDescr(shell);
+	Form_pg_attribute att;
+	TypeCacheEntry *type;
+
+	if (attno < 1 || attno > desc->natts)
+		elog(ERROR, "distribution column %d of idempotency.%s does not exist",
+			 attno, RelationGetRelationName(shell));
+	att = TupleDescAttr(desc, attno - 1);
+	map->dist_attno = attno;
+	map->dist_is_key = (attno == 1);
+	if (!map->dist_is_key &&
+		!(attno == desc->natts && strcmp(NameStr(att->attname), SHARD_TENANT_COLUMN) == 0))
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("idempotency.%s is distributed by column \"%s\"",
+						RelationGetRelationName(shell), NameStr(att->attname)),
+				 errdetail("The extension's tables can be distributed only by their first column or by the column \"%s\" that idem_citus_distribute adds.",
+						   SHARD_TENANT_COLUMN),
+				 errhint("Undistribute the table and run idem_citus_distribute().")));
+	map->dist_collation = att->attcollation;
+	map->typmod = att->atttypmod;
+	getTypeInputInfo(att->atttypid, &map->typinput, &map->typioparam);
+	type = lookup_type_cache(att->atttypid, TYPECACHE_HASH_PROC_FINFO);
+	if (!OidIsValid(type->hash_proc))
+		elog(ERROR, "type %u of the distribution column has no hash function", att->atttypid);
+	fmgr_info_copy(&map->hash, &type->hash_proc_finfo, map->cxt);
+}
+
+/*
+ * Read the map of relid from Citus's catalogs: whether it is distributed,
+ * by which column, and its shards with their hash ranges and whether they
+ * are placed here.  Anything but a hash-distributed table is refused.
+ */
+static void
+shard_map_read(ShardMap *map)
+{
+	Relation	shell;
+	HeapTuple	tup;
+	bool		isnull;
+	char		method;
+	Node	   *partkey;
+
+	MemoryContextReset(map->cxt);
+	map->distributed = false;
+	map->nshards = 0;
+	map->shards = NULL;
+	if (!OidIsValid(get_extension_oid("citus", true)))
+		return;
+
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+	shard_query("SELECT p.partmethod, p.colocationid, p.partkey FROM pg_catalog.pg_dist_partition p"
+				" WHERE p.logicalrelid OPERATOR(pg_catalog.=) $1", map->relid);
+	if (SPI_processed == 0)
+	{
+		SPI_finish();
+		return;
+	}
+	tup = SPI_tuptable->vals[0];
+	method = DatumGetChar(SPI_getbinval(tup, SPI_tuptable->tupdesc, 1, &isnull));
+	shell = relation_open(map->relid, AccessShareLock);
+	if (method != 'h')
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("idempotency.%s is a Citus table that is not hash-distributed",
+						RelationGetRelationName(shell)),
+				 errdetail("A record must live on the node that holds its tenant's rows: the table must be distributed by hash, colocated with the tenant tables."),
+				 errhint("Undistribute the table and run idem_citus_distribute().")));
+	map->colocation_id = DatumGetUInt32(SPI_getbinval(tup, SPI_tuptable->tupdesc, 2, &isnull));
+	partkey = stringToNode(TextDatumGetCString(SPI_getbinval(tup, SPI_tuptable->tupdesc, 3, &isnull)));
+	if (!IsA(partkey, Var))
+		elog(ERROR, "unexpected distribution key of relation %u", map->relid);
+	shard_map_column(map, shell, ((Var *) partkey)->varattno);
+	relation_close(shell, NoLock);
+
+	shard_query("SELECT s.shardid, s.shardminvalue::pg_catalog.int4, s.shardmaxvalue::pg_catalog.int4,"
+				"       EXISTS (SELECT FROM pg_catalog.pg_dist_placement pl, pg_catalog.pg_dist_local_group g"
+				"                WHERE pl.shardid OPERATOR(pg_catalog.=) s.shardid"
+				"                  AND pl.groupid OPERATOR(pg_catalog.=) g.groupid)"
+				"  FROM pg_catalog.pg_dist_shard s"
+				" WHERE s.logicalrelid OPERATOR(pg_catalog.=) $1"
+				" ORDER BY 2", map->relid);
+	map->nshards = SPI_processed;
+	map->shards = MemoryContextAllocZero(map->cxt, sizeof(ShardEntry) * Max(map->nshards, 1));
+	for (int i = 0; i < map->nshards; i++)
+	{
+		TupleDesc	desc = SPI_tuptable->tupdesc;
+		ShardEntry *s = &map->shards[i];
+
+		tup = SPI_tuptable->vals[i];
+		s->shardid = DatumGetInt64(SPI_getbinval(tup, desc, 1, &isnull));
+		s->min_hash = DatumGetInt32(SPI_getbinval(tup, desc, 2, &isnull));
+		s->max_hash = DatumGetInt32(SPI_getbinval(tup, desc, 3, &isnull));
+		s->local = DatumGetBool(SPI_getbinval(tup, desc, 4, &isnull));
+	}
+	SPI_finish();
+	map->distributed = true;
+}
+
+/*
+ * The map of relid, read again if an invalidation made it stale.  An
+ * invalidation that arrives while it is read (the queries take locks, and
+ * locks read invalidations) makes it read again.
+ */
+static ShardMap *
+shard_map_get(Oid relid)
+{
+	ShardMap   *map = NULL;
+
+	for (int i = 0; i < shard_nmaps; i++)
+		if (shard_maps[i].relid == relid)
+			map = &shard_maps[i];
+	if (map == NULL)
+	{
+		if (shard_nmaps == SHARD_MAX_MAPS)
+			elog(ERROR, "too many shard maps");
+		map = &shard_maps[shard_nmaps];
+		memset(map, 0, sizeof(*map));
+		map->cxt = AllocSetContextCreate(CacheMemoryContext, "idempotency shard map",
+										 ALLOCSET_SMALL_SIZES);
+		map->relid = relid;
+		shard_nmaps++;
+	}
+	for (int tries = 0; !map->valid; tries++)
+	{
+		if (tries == 100)
+			elog(ERROR, "the Citus metadata of relation %u keeps changing", relid);
+		map->valid = true;
+		PG_TRY();
+		{
+			shard_map_read(map);
+		}
+		PG_CATCH();
+		{
+			map->valid = false;
+			PG_RE_THROW();
+		}
+		PG_END_TRY();
+	}
+	return map;
+}
+
+/* The index of the shard whose hash range holds hash (binary search). */
+static int
+shard_index_of(ShardMap *map, int32 hash)
+{
+	int			lo = 0;
+	int			hi = map->nshards - 1;
+
+	while (lo <= hi)
+	{
+		int			mid = lo + (hi - lo) / 2;
+
+		if (hash < map->shards[mid].min_hash)
+			hi = mid - 1;
+		else if (hash > map->shards[mid].max_hash)
+			lo = mid + 1;
+		else
+			return mid;
+	}
+	ereport(ERROR,
+			(errcode(ERRCODE_DATA_EXCEPTION),
+			 errmsg("no shard of relation %u covers hash value %d", map->relid, hash),
+			 errdetail("The hash ranges of the table's shards in pg_dist_shard leave a gap.")));
+	return -1;					/* keep the compiler quiet */
+}
+
+/* The value of the distribution column for rows of value (a scope or source). */
+static Datum
+shard_dist_datum(Oid typinput, Oid typioparam, int32 typmod, bool is_key, text *value)
+{
+	if (is_key)
+		return PointerGetDatum(value);
+	return OidInputFunctionCall(typinput, text_to_cstring(value), typioparam, typmod);
+}
+
+/* Look up the local shard's relation and primary key by Citus's names for them. */
+static void
+shard_find_relation(ShardMap *map, ShardEntry *s, Oid pkey)
+{
+	Oid			nspid = get_rel_namespace(map->relid);
+	char	   *relname = psprintf("%s_" INT64_FORMAT, get_rel_name(map->relid), s->shardid);
+	char	   *pkeyname = psprintf("%s_" INT64_FORMAT, get_rel_name(pkey), s->shardid);
+
+	s->relid = get_relname_relid(relname, nspid);
+	s->pkey = get_relname_relid(pkeyname, nspid);
+	if (!OidIsValid(s->relid) || !OidIsValid(s->pkey))
+		ereport(ERROR,
+				(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+				 errmsg("shard " INT64_FORMAT " of idempotency.%s is placed on this node but its table is missing",
+						s->shardid, get_rel_name(map->relid)),
+				 errdetail("Relation idempotency.%s or idempotency.%s does not exist.", relname, pkeyname),
+				 errhint("The transaction might succeed if retried.")));
+}
+
+/*
+ * Which relation holds the rows of value (a scope, or an inbox's source) of
+ * table relid, whose primary key is pkey: the table itself, or -- when Citus
+ * distributes it -- the local shard of value's hash, with the shard's
+ * metadata lock held in share mode until the transaction ends.  A shard
+ * that is not placed on this node is refused with 40001.
+ */
+void
+shard_resolve(Oid relid, Oid pkey, text *value, ShardTarget *target)
+{
+	ShardMap   *map = shard_map_get(relid);
+	ShardEntry *s;
+	int			idx = -1;
+	LOCKTAG		tag;
+
+	target->relid = relid;
+	target->pkey = pkey;
+	target->distributed = false;
+	if (!map->distributed)
+		return;
+
+	for (;;)
+	{
+		Datum		d = shard_dist_datum(map->typinput, map->typioparam, map->typmod,
+										 map->dist_is_key, value);
+		int32		hash = DatumGetInt32(FunctionCall1Coll(&map->hash, map->dist_collation, d));
+		int			now_idx = shard_index_of(map, hash);
+
+		if (now_idx != idx)
+		{
+			idx = now_idx;
+			SET_LOCKTAG_ADVISORY(tag, MyDatabaseId, (uint32) idx, map->colocation_id,
+								 CITUS_COLOCATED_SHARDS_METADATA_LOCK);
+			(void) LockAcquire(&tag, ShareLock, false, false);
+		}
+		/* A move that committed before we got the lock has sent its invalidations. */
+		AcceptInvalidationMessages();
+		if (map->valid)
+			break;
+		map = shard_map_get(relid);
+		if (!map->distributed)
+			return;
+	}
+
+	s = &map->shards[idx];
+	if (!s->local)
+		ereport(ERROR,
+				(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+				 errmsg("the rows of \"%s\" in idempotency.%s are not on this node",
+						text_to_cstring(value), get_rel_name(relid)),
+				 errdetail("Citus keeps them in shard " INT64_FORMAT ", which has no placement on this node.",
+						   s->shardid),
+				 errhint("Call the function so that Citus delegates it to the node that holds the shard: a top-level SELECT on the coordinator with a constant first argument, force-delegated inside a transaction block (see idem_citus_distribute). After a shard move, the transaction might succeed if retried.")));
+	if (!OidIsValid(s->relid))
+		shard_find_relation(map, s, pkey);
+	target->relid = s->relid;
+	target->pkey = s->pkey;
+	target->distributed = true;
+}
+
+/*
+ * The primary key of rel, a relation shard_resolve returned for a table
+ * whose own primary key is pkey.
+ */
+Oid
+shard_pkey_of(Relation rel, Oid pkey)
+{
+	Oid			relid = RelationGetRelid(rel);
+
+	for (int i = 0; i < shard_nmaps; i++)
+		for (int j = 0; j < shard_maps[i].nshards; j++)
+			if (shard_maps[i].shards[j].relid == relid)
+				return shard_maps[i].shards[j].pkey;
+	return pkey;
+}
+
+/*
+ * The relations that hold relid's rows on this node: relid itself, or,
+ * when Citus distributes it, its local shards (for cleanup).
+ */
+List *
+shard_local_relids(Oid relid)
+{
+	ShardMap   *map = shard_map_get(relid);
+	List	   *relids = NIL;
+	Oid			nspid;
+
+	if (!map->distributed)
+		return list_make1_oid(relid);
+	nspid = get_rel_namespace(relid);
+	for (int i = 0; i < map->nshards; i++)
+		if (map->shards[i].local)
+		{
+			char	   *relname = psprintf("%s_" INT64_FORMAT, get_rel_name(relid),
+										   map->shards[i].shardid);
+			Oid			shard = get_relname_relid(relname, nspid);
+
+			/* Not created yet, or dropped after a move: nothing to clean. */
+			if (OidIsValid(shard))
+				relids = lappend_oid(relids, shard);
+			pfree(relname);
+		}
+	return relids;
+}
+
+/*
+ * The tenant column's value (the column after the natts the library knows)
+ * for rows of value in rel: value read as the column's type, as Citus reads
+ * the first argument of a function it delegates.  A value that is not one
+ * (a scope 'abc' for a bigint tenant) fails with that type's error.
+ */
+Datum
+shard_tenant_value(Relation rel, int natts, text *value)
+{
+	Form_pg_attribute att = TupleDescAttr(RelationGetDescr(rel), natts);
+	Oid			typinput;
+	Oid			typioparam;
+
+	getTypeInputInfo(att->atttypid, &typinput, &typioparam);
+	return shard_dist_datum(typinput, typioparam, att->atttypmod, false, value);
+}

@@ -1,7 +1,7 @@
 # idempotency: PGXS build.  EXTVERSION is the one source of truth for the
 # extension version.
 EXTENSION = idempotency
-EXTVERSION = 1.3
+EXTVERSION = 1.4
 MODULE_big = idempotency
 OBJS = $(patsubst %.c,%.o,$(wildcard src/*.c))
 DATA = $(wildcard $(EXTENSION)--*.sql)

@@ -3,10 +3,10 @@
 -- operations, the inbox, the statistics and idem_cleanup with ALTER
 -- EXTENSION UPDATE to 1.1, then record owners, tokens that never repeat and
 -- the lock key with 1.2, keeping its records and marks; 1.3 adds the
--- relay's per-destination options and endpoint state.  The library refuses
--- to work on SQL objects older than itself, with a clear error, until ALTER
--- EXTENSION UPDATE has run.  Runs in a database of its own, since the test
--- database already has the current version.
+-- relay's per-destination options and endpoint state, 1.4 the Citus setup.
+-- The library refuses to work on SQL objects older than itself, with a
+-- clear error, until ALTER EXTENSION UPDATE has run.  Runs in a database of
+-- its own, since the test database already has the current version.
 --
 SELECT extversion FROM pg_extension WHERE extname = 'idempotency';
 SELECT default_version FROM pg_available_extensions WHERE name = 'idempotency';
@@ -109,6 +109,19 @@ SELECT classid, pg_describe_object(classid, objid, objsubid) AS object
   FROM pg_depend
  WHERE refclassid = 'pg_extension'::regclass AND deptype = 'e'
    AND refobjid = (SELECT oid FROM pg_extension WHERE extname = 'idempotency');
+-- On to the current version: 1.3 (the relay's options), then 1.4 (the Citus
+-- setup, and the functions that take the scope as a bigint or uuid tenant).
+ALTER EXTENSION idempotency UPDATE;
+SELECT extversion FROM pg_extension WHERE extname = 'idempotency';
+SELECT object FROM extension_objects
+ WHERE object ~ '^function idem_(citus_|(claim|succeed|release|replay|execute|extend|checkpoint|resolve_complete|resolve_release|inbox_accept)\((bigint|uuid),)'
+ ORDER BY 1;
+-- The scope as a tenant id names the same record as its text.
+BEGIN;
+SELECT outcome FROM idem_claim('42', 'k-tenant', '{}');
+SELECT idem_succeed(42, 'k-tenant', 200, '{"tenant": true}');
+COMMIT;
+SELECT outcome, body FROM idem_claim(42, 'k-tenant', '{}');
 CREATE TABLE upgraded_objects AS SELECT * FROM extension_objects;
 -- The objects 1.2 added (row types aside, as above).
 SELECT object FROM upgraded_objects

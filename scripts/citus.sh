@@ -66,6 +66,8 @@ idem_citus_install() {
 		if [ ! -f "$build/src/backend/distributed/citus.so" ]; then
 			idem_citus_build "$srcdir" "$cache" "$key" || exit 1
 		fi
+		# A run we waited for may have installed it already.
+		idem_citus_is_installed "$build" "$lib" "$ext" && exit 0
 		echo "citus: make install${IDEM_DESTDIR:+ DESTDIR=$IDEM_DESTDIR} (from $build)"
 		make -C "$build" -s install ${IDEM_DESTDIR:+DESTDIR="$IDEM_DESTDIR"} >"$cache/$key.install.log" 2>&1 || {
 			echo "citus: make install failed:"

@@ -21,8 +21,11 @@
 
 IDEM_CITUS_VERSION=13.2.2
 
-# The Debian packages Citus's build needs beyond what deps.sh installs.
-IDEM_CITUS_BUILD_DEPS=(liblz4-dev libzstd-dev libkrb5-dev libcurl4-openssl-dev autoconf flex patch)
+# The Debian packages Citus's build needs beyond what deps.sh installs:
+# those its README names, patch, and libicu-dev (Debian's PostgreSQL is built
+# with ICU, so its pg_locale.h, which Citus includes, includes ICU's headers;
+# the extension's own build never includes it).
+IDEM_CITUS_BUILD_DEPS=(liblz4-dev libzstd-dev libkrb5-dev libcurl4-openssl-dev autoconf flex patch libicu-dev)
 
 # 0 when Citus IDEM_CITUS_VERSION is installed for this PostgreSQL, 2 when
 # Citus does not support its major version (nothing is changed then), 1 when

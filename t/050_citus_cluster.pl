@@ -1,10 +1,11 @@
 # The Citus test infrastructure (t/CitusCluster.pm) works: a coordinator
 # and two workers start and know each other, a call of a distributed
-# function made on the coordinator runs on the worker that holds the
-# shard of its argument (the way the extension is meant to be used under
-# Citus), in a transaction block too, and the extension created on the
-# coordinator is there on every node.  It proves nothing about the extension under Citus; the
-# tests that do build on this one.  Skipped when Citus is not installed.
+# function made on the coordinator runs on the worker that holds the shard
+# of its argument (the way the extension is meant to be used under Citus),
+# in a transaction block too and after an online shard move, and the
+# extension created on the coordinator is there on every node.  It proves
+# nothing about the extension under Citus; the tests that do build on this
+# one.  Skipped when Citus is not installed.
 use strict;
 use warnings;
 
@@ -56,9 +57,9 @@ for my $i (1 .. 20)
 	push @wrong, "tenant$i ran on $ran_on, its shard is on " . $holder->port
 	  if $ran_on != $holder->port;
 }
-is_deeply(\@wrong, [], 'each call from the coordinator ran on the worker holding its shard');
-is(join(' ', sort keys %seen), join(' ', sort map { $_->name } @workers),
-	'the tenants are spread over both workers');
+is_deeply({ wrong => \@wrong, workers => [ sort keys %seen ] },
+	{ wrong => [], workers => [ sort map { $_->name } @workers ] },
+	'each call from the coordinator ran on the worker holding its shard, on both workers');
 
 # Inside BEGIN ... COMMIT too (force_delegation), and the rows are there.
 my $holder = $cluster->placement_node('orders', q{'tenant1'});
@@ -69,6 +70,20 @@ is( $cluster->safe_psql($coord, q{
 		SELECT count(*) FROM orders WHERE tenant = 'tenant1' AND port = } . $holder->port . ';'),
 	$holder->port . "\n2",
 	'a call in a transaction block is delegated to the shard\'s worker too');
+
+# An online shard move (logical replication between the workers; the
+# coordinator reaches itself through citus.local_hostname): tenant1's rows
+# go with the shard, and its calls follow it to the other worker.
+my ($other) = grep { $_ != $holder } @workers;
+$cluster->safe_psql($coord, sprintf(q{
+	SELECT citus_move_shard_placement(get_shard_id_for_distribution_column('orders', 'tenant1'),
+									  '%s', %d, '%s', %d, shard_transfer_mode => 'force_logical')},
+	$holder->host, $holder->port, $other->host, $other->port));
+is( $cluster->safe_psql($coord, q{
+		SELECT place_order('tenant1', 101);
+		SELECT count(*) FROM orders WHERE tenant = 'tenant1'}),
+	$other->port . "\n3",
+	'after an online shard move the calls run on the worker the shard moved to');
 
 # CREATE EXTENSION idempotency, when the test asks for it: made on the
 # coordinator, it is on every node, in the same version, and works there.

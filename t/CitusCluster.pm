@@ -14,9 +14,12 @@
 # with trust authentication.  So a node's name in Citus's metadata
 # (pg_dist_node.nodename) is that directory, which libpq takes for a socket
 # directory because it starts with "/", and no password is ever needed.
-# citus.local_hostname, the name a node uses to connect to itself (shard
-# moves and background jobs do), is that directory too: its default,
-# localhost, has no listener.
+# citus.local_hostname, the name a node uses to connect to itself, is that
+# directory too: with its default, localhost, which nothing listens on,
+# citus_move_shard_placement fails ("connection to the remote node
+# postgres@localhost:<port> failed").  CREATE EXTENSION citus turns ssl on
+# with a self-signed certificate, since citus.node_conninfo defaults to
+# sslmode=require; libpq uses no SSL on a Unix socket, so nothing changes.
 #
 # Citus itself is installed by scripts/citus.sh (test/run.sh calls it when a
 # test's name matches "citus"); citus_available() tells whether it is there.

@@ -140,7 +140,7 @@ fi
 # Citus for the Citus tests, if any is selected.  Why they skip, if they do,
 # goes to them in IDEM_CITUS_SKIP (t/CitusCluster.pm).
 citus_skip=
-if printf '%s\n' $tap_tests | grep -q citus; then
+if [[ $tap_tests =~ citus ]]; then
 	section "Citus (scripts/citus.sh)"
 	if [ "${IDEM_CITUS:-1}" = 0 ]; then
 		citus_skip="IDEM_CITUS=0"

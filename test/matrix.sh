@@ -52,7 +52,7 @@ run_in_root() {
 	r=$(idem_root_prepare "$suite") || { echo "0 passed, 1 failed" >"$log"; idem_root_unlock; return; }
 	trap 'idem_root_umount "$r"' EXIT
 	idem_root_copy_source "$r" "$top"
-	idem_root_run "$r" env IDEM_SANITIZE=0 IDEM_NODE=0 bash -c 'cd /work/idempotency && bash test/run.sh' >"$log" 2>&1
+	idem_root_run "$r" env IDEM_SANITIZE=0 IDEM_NODE=0 IDEM_CITUS=0 bash -c 'cd /work/idempotency && bash test/run.sh' >"$log" 2>&1
 	rm -rf "$logs/$name-results"
 	cp -r "$r/work/idempotency/test/results" "$logs/$name-results" 2>/dev/null
 	idem_root_umount "$r"

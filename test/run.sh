@@ -13,6 +13,14 @@
 # name (e.g. "claim", "phases_fencing", "t/020_outbox_http.pl") matches one
 # of them run.  For development; CI runs everything.
 #
+# The Citus tests (TAP tests whose name matches "citus") need Citus, which
+# scripts/citus.sh builds once from the source tarball, caches and installs
+# for this PostgreSQL before the TAP tests run.  IDEM_CITUS=0 leaves that
+# out and the Citus tests skip, as they do where Citus does not support the
+# PostgreSQL version (18) and, with IDEM_INSTALLED=1 (which installs
+# nothing), unless Citus is already installed.  A skipped test counts as
+# neither passed nor failed; a failed install of Citus counts as one failure.
+#
 # Then "node": test/node.sh tests the npm package clients/node and runs the
 # chaos test of examples/payments, each of its tests counted.
 #
@@ -24,6 +32,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 top=$(pwd)
 . scripts/deps.sh
+. scripts/citus.sh
 
 idem_install_deps || exit 1
 idem_pg_env
@@ -90,6 +99,7 @@ fi
 
 passed=0
 failed=0
+skipped=0
 
 # Count pg_regress's result lines: "test x ... ok" / "... FAILED" up to
 # PostgreSQL 15, TAP-style "ok 1 - x" / "not ok 3 - x" (or "+" for a test of
@@ -127,13 +137,41 @@ tally_regress "$work/isolation.out"
 [ -f "$work/isolation/regression.diffs" ] && cp "$work/isolation/regression.diffs" "$top/test/results/isolation.diffs"
 fi
 
+# Citus for the Citus tests, if any is selected.  Why they skip, if they do,
+# goes to them in IDEM_CITUS_SKIP (t/CitusCluster.pm).
+citus_skip=
+if [[ $tap_tests =~ citus ]]; then
+	section "Citus (scripts/citus.sh)"
+	if [ "${IDEM_CITUS:-1}" = 0 ]; then
+		citus_skip="IDEM_CITUS=0"
+	elif [ -n "${sanitize_only_from_source:-}" ]; then
+		echo "IDEM_INSTALLED=1: Citus is not built; the Citus tests run if it is installed"
+	else
+		echo "(a build from nothing takes about 2 minutes; then it is cached)"
+		# Not in a pipeline: IDEM_CITUS_REASON must be set in this shell.
+		idem_citus_install >"$work/citus.out" 2>&1
+		citus_status=$?
+		tee -a "$log" <"$work/citus.out"
+		case $citus_status in
+		0) ;;
+		2) citus_skip=$IDEM_CITUS_REASON ;;
+		*)
+			citus_skip="the install of Citus failed: $IDEM_CITUS_REASON"
+			echo "test citus-install ... FAILED" | tee -a "$log"
+			failed=$((failed + 1))
+			;;
+		esac
+	fi
+	[ -n "$citus_skip" ] && echo "the Citus tests skip: $citus_skip" | tee -a "$log"
+fi
+
 if [ -n "$tap_tests" ]; then
 	section "TAP"
 	# Where the clusters and logs go: TESTDIR says it up to 15, TESTDATADIR
 	# and TESTLOGDIR from 16 on (whose default for logs is "log").
 	(cd "$work" && idem_as_pg env PATH="$PG_BINDIR:$PATH" TESTDIR="$work" \
 		TESTDATADIR="$work/tmp_check" TESTLOGDIR="$work/tmp_check/log" \
-		PG_REGRESS="$PGXS_DIR/src/test/regress/pg_regress" \
+		PG_REGRESS="$PGXS_DIR/src/test/regress/pg_regress" IDEM_CITUS_SKIP="$citus_skip" \
 		prove -I "$PGXS_DIR/src/test/perl" -I . $tap_tests) 2>&1 | tee -a "$log" >"$work/tap.out"
 	cat "$work/tap.out"
 	ok=$(grep -cE '^t/.* ok$' "$work/tap.out")
@@ -141,6 +179,9 @@ if [ -n "$tap_tests" ]; then
 	# non-zero; one whose TODO checks passed unexpectedly is listed with
 	# "Wstat: 0 ... Failed: 0" and has not failed.
 	bad=$(grep -E '^t/[^ ]+ +\(Wstat: ' "$work/tap.out" | grep -cvE '\(Wstat: 0 Tests: [0-9]+ Failed: 0\)$')
+	# A script that skipped (plan skip_all: "t/x.pl .. skipped: why") has
+	# neither passed nor failed.
+	skipped=$(grep -cE '^t/[^ ]+ \.+ skipped' "$work/tap.out")
 	passed=$((passed + ok))
 	failed=$((failed + bad))
 	rm -rf "$top/test/results/tap-logs"; [ -d "$work/tmp_check/log" ] && cp -r "$work/tmp_check/log" "$top/test/results/tap-logs"
@@ -181,12 +222,13 @@ if [ -n "$sanitize_tests" ]; then
 fi
 
 expected_count=$(( $(echo $regress_tests | wc -w) + $(echo $isolation_tests | wc -w) + $(echo $tap_tests | wc -w) + $(echo $node_tests | wc -w) + $(echo $sanitize_tests | wc -w) ))
-if [ $((passed + failed)) -lt "$expected_count" ]; then
-	echo "only $((passed + failed)) of $expected_count tests reported a result" | tee -a "$log"
-	failed=$((failed + expected_count - passed - failed))
+if [ $((passed + failed + skipped)) -lt "$expected_count" ]; then
+	echo "only $((passed + failed + skipped)) of $expected_count tests reported a result" | tee -a "$log"
+	failed=$((failed + expected_count - passed - failed - skipped))
 fi
 
 rm -rf "$work"
 echo
+[ "$skipped" -gt 0 ] && echo "$skipped skipped (counted neither passed nor failed)"
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

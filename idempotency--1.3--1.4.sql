@@ -349,4 +349,34 @@ END
 $fn$;
 REVOKE ALL ON FUNCTION idem_citus_distribute(pg_catalog.regclass) FROM PUBLIC;
 
+/*
+ * idem_destination_sync(name, definition, resumed): on a worker of a Citus
+ * cluster, make its outbox destination name the one the coordinator
+ * describes (src/dest_sync.c).  The coordinator's destination commands call
+ * it on every worker before they commit; not for direct use.
+ */
+CREATE FUNCTION idem_destination_sync(name text, definition jsonb, resumed boolean)
+RETURNS void
+AS 'MODULE_PATHNAME', 'idem_destination_sync'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+REVOKE ALL ON FUNCTION idem_destination_sync(text, jsonb, boolean) FROM PUBLIC;
+
+/*
+ * idem_stuck with its horizon computed once, in a subquery: on a Citus
+ * coordinator, where idempotency.records is distributed, the subquery runs
+ * on the coordinator with the session's idempotency.stuck_after, and the
+ * shards are filtered by its result (the setting does not travel to the
+ * workers).  The same rows as before on one server.
+ */
+CREATE OR REPLACE VIEW idem_stuck AS
+SELECT scope, key, token, recovery_point,
+	   pg_catalog.now() OPERATOR(pg_catalog.-) coalesce(claimed_at, created_at) AS owner_age,
+	   pg_catalog.now() OPERATOR(pg_catalog.-) lease_expires_at AS lease_expired_for,
+	   lease_expires_at, created_at, owner
+  FROM idempotency.records
+ WHERE state OPERATOR(pg_catalog.=) 'processing'
+   AND lease_expires_at OPERATOR(pg_catalog.<)
+	   (SELECT pg_catalog.now() OPERATOR(pg_catalog.-)
+			   coalesce(pg_catalog.current_setting('idempotency.stuck_after', true), '5min')::pg_catalog.interval);
+
 -- (end of Citus section)

@@ -761,6 +761,10 @@ BEGIN
 	PERFORM idem_destination_pause('sec-http');
 	PERFORM idem_destination_create('sec-dropped', 'notify', 'sec_dropped');
 	PERFORM idem_destination_drop('sec-dropped');
+	-- what a Citus coordinator sends its workers: a definition, then none
+	PERFORM idem_destination_sync('sec-synced', '{"kind": "notify", "target": "sec_synced",
+		"topics": "{sec.other}", "paused": true, "search_path": "pg_catalog", "options": {}}'::jsonb, false);
+	PERFORM idem_destination_sync('sec-synced', NULL, false);
 	step := 'destinations';
 	result := (SELECT pg_catalog.string_agg(name, ',' ORDER BY name) FROM idem_destinations);
 	RETURN NEXT;

@@ -136,4 +136,40 @@ compat_simple_heap_update(Relation relation, ItemPointer otid, HeapTuple tup,
 	pg_b64_decode(src, len, (char *) (dst), dstlen)
 #endif
 
+/*
+ * PostgreSQL 16 exported get_extension_schema(), the schema an extension's
+ * objects are in.  Before, it was private to extension.c; this reads
+ * pg_extension the same way.
+ */
+#if PG_VERSION_NUM < 160000
+#include "access/genam.h"
+#include "access/htup_details.h"
+#include "access/stratnum.h"
+#include "access/table.h"
+#include "catalog/indexing.h"
+#include "catalog/pg_extension.h"
+#include "utils/fmgroids.h"
+#include "utils/rel.h"
+
+static inline Oid
+get_extension_schema(Oid ext_oid)
+{
+	Oid			result = InvalidOid;
+	Relation	rel = table_open(ExtensionRelationId, AccessShareLock);
+	ScanKeyData entry[1];
+	SysScanDesc scan;
+	HeapTuple	tuple;
+
+	ScanKeyInit(&entry[0], Anum_pg_extension_oid, BTEqualStrategyNumber, F_OIDEQ,
+				ObjectIdGetDatum(ext_oid));
+	scan = systable_beginscan(rel, ExtensionOidIndexId, true, NULL, 1, entry);
+	tuple = systable_getnext(scan);
+	if (HeapTupleIsValid(tuple))
+		result = ((Form_pg_extension) GETSTRUCT(tuple))->extnamespace;
+	systable_endscan(scan);
+	table_close(rel, AccessShareLock);
+	return result;
+}
+#endif
+
 #endif							/* IDEM_COMPAT_H */

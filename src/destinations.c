@@ -387,7 +387,7 @@ dest_parse_options(DestKind kind, Jsonb *options, DestOptions *o)
  * Validate topic patterns: a non-empty one-dimensional array of non-empty
  * names, each ending in at most one '*' (a prefix pattern).
  */
-static void
+void
 dest_check_topics(ArrayType *topics)
 {
 	Datum	   *elems;
@@ -591,6 +591,7 @@ idem_destination_create(PG_FUNCTION_ARGS)
 		ereport(ERROR,
 				(errcode(ERRCODE_DUPLICATE_OBJECT),
 				 errmsg("destination \"%s\" already exists", text_to_cstring(name))));
+	dest_sync_note(name, false);
 	PG_RETURN_VOID();
 }
 
@@ -652,6 +653,7 @@ idem_destination_alter(PG_FUNCTION_ARGS)
 						" WHERE name = $1",
 						11, argtypes, values, nulls, SPI_OK_UPDATE);
 	outbox_dests_changed_at_commit();
+	dest_sync_note(name, false);
 	PG_RETURN_VOID();
 }
 
@@ -675,6 +677,7 @@ idem_destination_drop(PG_FUNCTION_ARGS)
 					 1, argtypes, values, NULL, SPI_OK_SELECT) == 0)
 		dest_report_missing(name);
 	outbox_dests_changed_at_commit();
+	dest_sync_note(name, false);
 	PG_RETURN_VOID();
 }
 
@@ -690,6 +693,7 @@ idem_destination_pause(PG_FUNCTION_ARGS)
 					 1, argtypes, values, NULL, SPI_OK_UPDATE) == 0)
 		dest_report_missing(name);
 	outbox_dests_changed_at_commit();
+	dest_sync_note(name, false);
 	PG_RETURN_VOID();
 }
 
@@ -714,6 +718,7 @@ idem_destination_resume(PG_FUNCTION_ARGS)
 					 1, argtypes, values, NULL, SPI_OK_UPDATE) == 0)
 		dest_report_missing(name);
 	outbox_dests_changed_at_commit();
+	dest_sync_note(name, true);
 	PG_RETURN_VOID();
 }
 

@@ -10,6 +10,8 @@
 
 #include "postgres.h"
 
+#include "fmgr.h"
+#include "utils/array.h"
 #include "utils/guc.h"
 #include "utils/jsonb.h"
 #include "utils/timestamp.h"
@@ -114,5 +116,13 @@ extern void http_assign_allowed_networks(const char *newval, void *extra);
 /* destinations.c */
 extern DestKind dest_kind_from_name(const char *kind);
 extern const char *dest_kind_name(DestKind kind);
+extern void dest_check_topics(ArrayType *topics);
+extern PGDLLEXPORT Datum idem_destination_create(PG_FUNCTION_ARGS);
+extern PGDLLEXPORT Datum idem_destination_alter(PG_FUNCTION_ARGS);
+extern PGDLLEXPORT Datum idem_destination_drop(PG_FUNCTION_ARGS);
+extern PGDLLEXPORT Datum idem_destination_resume(PG_FUNCTION_ARGS);
+
+/* dest_sync.c: destinations reach every node of a Citus cluster */
+extern void dest_sync_note(text *name, bool resumed);
 
 #endif							/* IDEM_OUTBOX_H */

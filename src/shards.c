@@ -48,6 +48,7 @@
 #include "nodes/primnodes.h"
 #include "storage/lmgr.h"
 #include "storage/lock.h"
+#include "lib/stringinfo.h"
 #include "utils/builtins.h"
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
@@ -464,3 +465,72 @@ shard_tenant_value(Relation rel, int natts, text *value)
 	getTypeInputInfo(att->atttypid, &typinput, &typioparam);
 	return shard_dist_datum(typinput, typioparam, att->atttypmod, false, value);
 }
+
+/*
+ * Whether this node is the coordinator of a Citus cluster with workers: the
+ * node from which the extension's settings (its outbox destinations) reach
+ * every node.
+ */
+bool
+shard_citus_coordinator(void)
+{
+	bool		coordinator;
+	bool		isnull;
+
+	if (!OidIsValid(get_extension_oid("citus", true)))
+		return false;
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+	if (SPI_execute("SELECT g.groupid OPERATOR(pg_catalog.=) 0 AND EXISTS ("
+					"        SELECT FROM pg_catalog.pg_dist_node n"
+					"         WHERE n.groupid OPERATOR(pg_catalog.<>) 0 AND n.isactive"
+					"           AND n.noderole OPERATOR(pg_catalog.=) 'primary')"
+					"  FROM pg_catalog.pg_dist_local_group g", true, 1) != SPI_OK_SELECT)
+		elog(ERROR, "could not read the Citus node metadata");
+	coordinator = SPI_processed == 1 &&
+		DatumGetBool(SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1, &isnull)) &&
+		!isnull;
+	SPI_finish();
+	return coordinator;
+}
+
+/*
+ * Run command on every worker of the Citus cluster (run_command_on_workers:
+ * a connection of the current role to each, in a transaction of its own).
+ * An error on any of them is an error here, which says where and why; what
+ * names the command for the message.
+ */
+void
+shard_run_on_workers(const char *command, const char *what)
+{
+	Oid			argtypes[1] = {TEXTOID};
+	Datum		values[1] = {CStringGetTextDatum(command)};
+	StringInfoData failures;
+	int			nfailed = 0;
+
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+	if (SPI_execute_with_args("SELECT w.nodename, w.nodeport, w.result"
+							  "  FROM pg_catalog.run_command_on_workers($1) w WHERE NOT w.success",
+							  1, argtypes, values, NULL, false, 0) != SPI_OK_SELECT)
+		elog(ERROR, "could not run a command on the Citus workers");
+	initStringInfo(&failures);
+	for (uint64 i = 0; i < SPI_processed; i++)
+	{
+		HeapTuple	tup = SPI_tuptable->vals[i];
+		TupleDesc	desc = SPI_tuptable->tupdesc;
+
+		appendStringInfo(&failures, "%s%s:%s: %s", nfailed > 0 ? "; " : "",
+						 SPI_getvalue(tup, desc, 1), SPI_getvalue(tup, desc, 2),
+						 SPI_getvalue(tup, desc, 3));
+		nfailed++;
+	}
+	SPI_finish();
+	if (nfailed > 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("%s failed on %d Citus worker%s", what, nfailed, nfailed > 1 ? "s" : ""),
+				 errdetail("%s", failures.data),
+				 errhint("Nothing changed on this node.  The workers where it succeeded have it already; running the same command again brings every node to this node's state.")));
+}
+

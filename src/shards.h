@@ -37,5 +37,7 @@ extern Oid	shard_pkey_of(Relation rel, Oid pkey);
 extern List *shard_local_relids(Oid relid);
 extern bool shard_has_tenant_column(Relation rel, int natts);
 extern Datum shard_tenant_value(Relation rel, int natts, text *value);
+extern bool shard_citus_coordinator(void);
+extern void shard_run_on_workers(const char *command, const char *what);
 
 #endif							/* IDEM_SHARDS_H */

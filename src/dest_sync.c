@@ -1,0 +1,350 @@
+/*-------------------------------------------------------------------------
+ *
+ * dest_sync.c
+ *	  Citus: outbox destinations managed on the coordinator reach every node.
+ *
+ * Each node of a Citus cluster keeps its own outbox: an event is published
+ * into the outbox of the node whose transaction publishes it (a delegated
+ * call runs on the tenant's worker), and that node's worker relays it.  So
+ * every node needs the destinations.  A destination command run on the
+ * coordinator (create, alter, drop, pause, resume) notes the destination's
+ * name; just before the transaction commits, the destination as it now
+ * stands on the coordinator -- its whole definition, or its absence -- is
+ * sent to every worker, where idem_destination_sync makes the worker's
+ * copy the same.  A worker that fails (down, or refusing the definition)
+ * fails the coordinator's commit, with the node and its error.  The
+ * workers apply it in transactions of their own, so after such a failure
+ * some may have it already; since what is sent is the whole definition,
+ * running any command on that destination again makes every node agree.
+ *
+ * What a node's relay learns about an endpoint (failures, circuit, pacing,
+ * disabling after 410 or disable_after) stays that node's; a resume on the
+ * coordinator clears it everywhere.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "access/xact.h"
+#include "catalog/namespace.h"
+#include "catalog/pg_type.h"
+#include "commands/extension.h"
+#include "executor/spi.h"
+#include "fmgr.h"
+#include "lib/stringinfo.h"
+#include "utils/array.h"
+#include "utils/builtins.h"
+#include "utils/fmgroids.h"
+#include "utils/guc.h"
+#include "utils/jsonb.h"
+#include "utils/lsyscache.h"
+#include "utils/memutils.h"
+#include "utils/snapmgr.h"
+
+#include "compat.h"
+#include "outbox.h"
+#include "shards.h"
+
+/* A destination changed in this transaction, to send to the workers at commit. */
+typedef struct DestNote
+{
+	char	   *name;
+	bool		resumed;		/* idem_destination_resume ran on it */
+} DestNote;
+
+static List *dest_notes = NIL;	/* in TopTransactionContext */
+static bool dest_sync_registered = false;
+
+static void dest_sync_xact_callback(XactEvent event, void *arg);
+
+/*
+ * A destination command changed name on this node: note it, so that the
+ * workers get the destination at commit, if this is a Citus coordinator.
+ */
+void
+dest_sync_note(text *name, bool resumed)
+{
+	MemoryContext old;
+	ListCell   *lc;
+	DestNote   *note;
+
+	if (!OidIsValid(get_extension_oid("citus", true)))
+		return;
+	if (!dest_sync_registered)
+	{
+		RegisterXactCallback(dest_sync_xact_callback, NULL);
+		dest_sync_registered = true;
+	}
+	foreach(lc, dest_notes)
+	{
+		note = lfirst(lc);
+		if (strcmp(note->name, text_to_cstring(name)) == 0)
+		{
+			note->resumed |= resumed;
+			return;
+		}
+	}
+	old = MemoryContextSwitchTo(TopTransactionContext);
+	note = palloc(sizeof(DestNote));
+	note->name = text_to_cstring(name);
+	note->resumed = resumed;
+	dest_notes = lappend(dest_notes, note);
+	MemoryContextSwitchTo(old);
+}
+
+/*
+ * The definition of destination name on this node, as idem_destination_sync
+ * takes it (a jsonb text), or NULL if it does not exist.  The secrets and
+ * headers, which the table keeps apart from the other options, go back into
+ * the options.
+ */
+static char *
+dest_sync_definition(const char *name)
+{
+	OutboxOwnerState owner;
+	Oid			argtypes[1] = {TEXTOID};
+	Datum		values[1] = {CStringGetTextDatum(name)};
+	char	   *definition = NULL;
+
+	outbox_become_owner(&owner);
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+	if (SPI_execute_with_args("SELECT jsonb_build_object('kind', kind, 'target', target,"
+							  "        'topics', topics::text, 'paused', paused,"
+							  "        'search_path', search_path,"
+							  "        'options', options || jsonb_strip_nulls(jsonb_build_object("
+							  "            'secrets', to_jsonb(secrets), 'headers', headers)))::text"
+							  "  FROM idempotency.destinations WHERE name = $1",
+							  1, argtypes, values, NULL, true, 1) != SPI_OK_SELECT)
+		elog(ERROR, "could not read outbox destination \"%s\"", name);
+	if (SPI_processed == 1)
+	{
+		char	   *d = SPI_getvalue(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1);
+
+		definition = MemoryContextStrdup(TopTransactionContext, d);
+	}
+	SPI_finish();
+	outbox_restore_user(&owner);
+	return definition;
+}
+
+/* Send the noted destinations to every worker (before this coordinator commits). */
+static void
+dest_sync_send(void)
+{
+	List	   *notes = dest_notes;
+	ListCell   *lc;
+	char	   *schema;
+
+	dest_notes = NIL;
+	if (notes == NIL || !shard_citus_coordinator())
+		return;
+	schema = get_namespace_name(get_extension_schema(get_extension_oid("idempotency", false)));
+	foreach(lc, notes)
+	{
+		DestNote   *note = lfirst(lc);
+		char	   *definition = dest_sync_definition(note->name);
+		char	   *command;
+		char	   *what;
+
+		command = psprintf("SELECT %s.idem_destination_sync(%s, %s, %s)",
+						   quote_identifier(schema), quote_literal_cstr(note->name),
+						   definition ? psprintf("%s::jsonb", quote_literal_cstr(definition)) : "NULL",
+						   note->resumed ? "true" : "false");
+		what = psprintf("sending outbox destination \"%s\"", note->name);
+		shard_run_on_workers(command, what);
+	}
+}
+
+/* Before commit (or prepare): the workers get the destinations changed here. */
+static void
+dest_sync_xact_callback(XactEvent event, void *arg)
+{
+	switch (event)
+	{
+		case XACT_EVENT_PRE_COMMIT:
+		case XACT_EVENT_PRE_PREPARE:
+			if (dest_notes != NIL)
+			{
+				PushActiveSnapshot(GetTransactionSnapshot());
+				dest_sync_send();
+				PopActiveSnapshot();
+			}
+			break;
+		case XACT_EVENT_ABORT:
+		case XACT_EVENT_COMMIT:
+		case XACT_EVENT_PREPARE:
+			dest_notes = NIL;	/* its memory goes with the transaction */
+			break;
+		default:
+			break;
+	}
+}
+
+/* A key of definition, or NULL. */
+static JsonbValue *
+dest_sync_field(Jsonb *definition, const char *key)
+{
+	return getKeyJsonValueFromContainer(&definition->root, key, strlen(key), NULL);
+}
+
+/* A text field of definition, which must be there. */
+static char *
+dest_sync_text(Jsonb *definition, const char *key)
+{
+	JsonbValue *v = dest_sync_field(definition, key);
+
+	if (v == NULL || v->type != jbvString)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("destination definition has no \"%s\"", key)));
+	return pnstrdup(v->val.string.val, v->val.string.len);
+}
+
+/* A field of definition as a jsonb of its own (an object or an array). */
+static Datum
+dest_sync_jsonb(Jsonb *definition, const char *key)
+{
+	JsonbValue *v = dest_sync_field(definition, key);
+
+	if (v == NULL || v->type != jbvBinary)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("destination definition has no \"%s\"", key)));
+	return JsonbPGetDatum(JsonbValueToJsonb(v));
+}
+
+/* The topics of definition (a text[] in its text form), validated. */
+static Datum
+dest_sync_topics(Jsonb *definition)
+{
+	/* array_in keeps a cache in its FmgrInfo: not a DirectFunctionCall. */
+	Datum		topics = OidInputFunctionCall(F_ARRAY_IN, dest_sync_text(definition, "topics"),
+											  TEXTOID, -1);
+
+	dest_check_topics(DatumGetArrayTypeP(topics));
+	return topics;
+}
+
+/* Run one statement on the destinations as their owner. */
+static uint64
+dest_sync_execute(const char *sql, int nargs, Oid *argtypes, Datum *values)
+{
+	OutboxOwnerState owner;
+	uint64		processed;
+
+	outbox_become_owner(&owner);
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+	if (SPI_execute_with_args(sql, nargs, argtypes, values, NULL, false, 0) < 0)
+		elog(ERROR, "could not update the outbox destinations");
+	processed = SPI_processed;
+	SPI_finish();
+	outbox_restore_user(&owner);
+	return processed;
+}
+
+PG_FUNCTION_INFO_V1(idem_destination_sync);
+
+/*
+ * idem_destination_sync(name, definition, resumed): make this node's
+ * destination name the one definition describes (NULL: none), as the
+ * coordinator sends it (see the file header).  A destination that is not
+ * here is created with the coordinator's definition; one that is gets its
+ * topics, options and pause from it (a kind or target of its own is
+ * refused); resumed clears what this node's relay learned about the
+ * endpoint.
+ */
+Datum
+idem_destination_sync(PG_FUNCTION_ARGS)
+{
+	text	   *name = PG_GETARG_TEXT_PP(0);
+	Jsonb	   *definition = PG_ARGISNULL(1) ? NULL : PG_GETARG_JSONB_P(1);
+	bool		resumed = !PG_ARGISNULL(2) && PG_GETARG_BOOL(2);
+	Oid			argtypes[3] = {TEXTOID, TEXTOID, TEXTOID};
+	Datum		values[3];
+	char	   *kind;
+	char	   *target;
+	JsonbValue *paused;
+	bool		exists;
+	char	   *here_kind = NULL;
+	char	   *here_target = NULL;
+
+	if (PG_ARGISNULL(0))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("name must not be null")));
+	values[0] = PointerGetDatum(name);
+
+	{
+		OutboxOwnerState owner;
+
+		outbox_become_owner(&owner);
+		if (SPI_connect() != SPI_OK_CONNECT)
+			elog(ERROR, "SPI_connect failed");
+		if (SPI_execute_with_args("SELECT kind, target FROM idempotency.destinations"
+								  " WHERE name = $1 FOR UPDATE",
+								  1, argtypes, values, NULL, false, 1) != SPI_OK_SELECT)
+			elog(ERROR, "could not read the outbox destinations");
+		exists = SPI_processed == 1;
+		if (exists)
+		{
+			here_kind = SPI_getvalue(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1);
+			here_target = SPI_getvalue(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 2);
+		}
+		SPI_finish();
+		outbox_restore_user(&owner);
+	}
+
+	if (definition == NULL)
+	{
+		if (exists)
+			(void) DirectFunctionCall1(idem_destination_drop, PointerGetDatum(name));
+		PG_RETURN_VOID();
+	}
+
+	kind = dest_sync_text(definition, "kind");
+	target = dest_sync_text(definition, "target");
+	if (!exists)
+	{
+		int			save_nestlevel = NewGUCNestLevel();
+		Datum		topics;
+
+		/* A function destination resolves its target as on the coordinator. */
+		(void) set_config_option("search_path", dest_sync_text(definition, "search_path"),
+								 PGC_USERSET, PGC_S_SESSION, GUC_ACTION_SAVE, true, 0, false);
+		topics = dest_sync_topics(definition);
+		(void) DirectFunctionCall5(idem_destination_create, PointerGetDatum(name),
+								   CStringGetTextDatum(kind), CStringGetTextDatum(target),
+								   topics, dest_sync_jsonb(definition, "options"));
+		AtEOXact_GUC(true, save_nestlevel);
+	}
+	else
+	{
+		if (strcmp(here_kind, kind) != 0 || strcmp(here_target, target) != 0)
+			ereport(ERROR,
+					(errcode(ERRCODE_DUPLICATE_OBJECT),
+					 errmsg("destination \"%s\" on this node is a %s destination to %s, not a %s destination to %s",
+							text_to_cstring(name), here_kind, here_target, kind, target),
+					 errhint("Drop it on this node first.")));
+		(void) DirectFunctionCall2(idem_destination_alter, PointerGetDatum(name),
+								   dest_sync_jsonb(definition, "options"));
+		argtypes[1] = TEXTARRAYOID;
+		values[1] = dest_sync_topics(definition);
+		(void) dest_sync_execute("UPDATE idempotency.destinations SET topics = $2 WHERE name = $1",
+								 2, argtypes, values);
+		argtypes[1] = TEXTOID;
+	}
+
+	paused = dest_sync_field(definition, "paused");
+	if (resumed)
+		(void) DirectFunctionCall1(idem_destination_resume, PointerGetDatum(name));
+	if (paused != NULL && paused->type == jbvBool)
+	{
+		values[1] = CStringGetTextDatum(paused->val.boolean ? "true" : "false");
+		(void) dest_sync_execute("UPDATE idempotency.destinations SET paused = $2::boolean"
+								 " WHERE name = $1", 2, argtypes, values);
+	}
+	outbox_dests_changed_at_commit();
+	PG_RETURN_VOID();
+}

@@ -158,10 +158,15 @@ DECLARE
 	rel			pg_catalog.regclass;
 	key_column	text;
 	id_column	text;
-	want_type	pg_catalog.regtype := tenant_type::pg_catalog.regtype;
+	want_type	pg_catalog.regtype;
+	want_coll	pg_catalog.regcollation;
 	have_type	pg_catalog.regtype;
 	rows_here	int8;
 BEGIN
+	IF tbl IS NULL OR tenant_type IS NULL OR must_be_empty IS NULL THEN
+		RAISE EXCEPTION 'idem_citus_add_tenant: tbl, tenant_type and must_be_empty must not be null'
+			USING ERRCODE := 'null_value_not_allowed';
+	END IF;
 	IF tbl OPERATOR(pg_catalog.=) 'records' THEN
 		key_column := 'scope';
 		id_column := 'key';
@@ -174,6 +179,14 @@ BEGIN
 				  DETAIL := 'The tables are records and inbox.';
 	END IF;
 	rel := pg_catalog.format('idempotency.%I', tbl)::pg_catalog.regclass;
+	BEGIN
+		want_type := tenant_type::pg_catalog.regtype;
+		want_coll := tenant_collation::pg_catalog.regcollation;
+	EXCEPTION WHEN syntax_error OR undefined_object OR invalid_text_representation THEN
+		RAISE EXCEPTION 'idem_citus_add_tenant: "%" is not a type, or "%" not a collation',
+			tenant_type, tenant_collation
+			USING ERRCODE := 'invalid_parameter_value';
+	END;
 
 	SELECT a.atttypid::pg_catalog.regtype INTO have_type
 	  FROM pg_catalog.pg_attribute a
@@ -201,8 +214,8 @@ BEGIN
 	END IF;
 
 	EXECUTE pg_catalog.format('ALTER TABLE %s ADD COLUMN tenant %s%s', rel, want_type,
-							  CASE WHEN tenant_collation IS NULL THEN ''
-								   ELSE ' COLLATE ' OPERATOR(pg_catalog.||) tenant_collation END);
+							  CASE WHEN want_coll IS NULL THEN ''
+								   ELSE ' COLLATE ' OPERATOR(pg_catalog.||) want_coll::text END);
 	-- The scope read as the tenant type, as Citus reads a delegated call's first argument.
 	EXECUTE pg_catalog.format('UPDATE %s SET tenant = %I::%s', rel, key_column, want_type);
 	EXECUTE pg_catalog.format('ALTER TABLE %s ALTER COLUMN tenant SET NOT NULL', rel);

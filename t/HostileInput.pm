@@ -264,6 +264,13 @@ sub _build
 		q{4294967295::oid::regprocedure}, q{'nonexistent(jsonb)'::regprocedure},
 	];
 
+	$v{boolean} = [ 'true', 'false' ];
+	# idem_citus_distribute's tenant table: none is a Citus table here.
+	$v{regclass} = [
+		q{'pg_class'::regclass}, q{'idempotency.records'::regclass}, q{0::oid::regclass},
+		q{4294967295::oid::regclass},
+	];
+
 	# Values that only make sense for some arguments, by argument name.
 	$v{'text:kind'} = [ q{'http'}, q{'notify'}, q{'function'}, q{'HTTP'}, q{'webhook'} ];
 	$v{'text:target'} = [
@@ -334,6 +341,7 @@ sub valid
 		'text[]' => q{'{*}'::text[]}, 'timestamp with time zone' => q{now() - '1 hour'::interval},
 		uuid => q{'00000000-0000-0000-0000-000000000000'::uuid},
 		regprocedure => q{'hx_handler(jsonb)'::regprocedure},
+		boolean => 'false', regclass => q{'pg_class'::regclass},
 	);
 	return q{'{}'::jsonb} if $type eq 'jsonb' && $name eq 'options';
 	return q{'{"Content-Type": "application/json"}'::jsonb} if $type eq 'jsonb' && $name eq 'headers';

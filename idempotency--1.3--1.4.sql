@@ -146,7 +146,9 @@ LANGUAGE C VOLATILE PARALLEL UNSAFE;
  * extension, and its metadata names the column by number on every node.
  * A node's own rows would be hidden behind the distributed table, so a
  * worker's table must be empty (must_be_empty); the coordinator's rows are
- * copied into the shards.  Calling it again with the same type does nothing.
+ * copied into the shards.  Calling it again with the same type does nothing;
+ * on a node added after the table was distributed, it gives the table the
+ * column.
  */
 CREATE FUNCTION idem_citus_add_tenant(tbl text, tenant_type text, tenant_collation text,
 									  must_be_empty boolean)
@@ -162,6 +164,7 @@ DECLARE
 	want_coll	pg_catalog.regcollation;
 	have_type	pg_catalog.regtype;
 	rows_here	int8;
+	distributed_here boolean;
 BEGIN
 	IF tbl IS NULL OR tenant_type IS NULL OR must_be_empty IS NULL THEN
 		RAISE EXCEPTION 'idem_citus_add_tenant: tbl, tenant_type and must_be_empty must not be null'
@@ -201,7 +204,17 @@ BEGIN
 		RETURN;
 	END IF;
 
-	IF must_be_empty THEN
+	/*
+	 * A node added after the table was distributed knows it from Citus's
+	 * metadata: Citus would route a query on it to the shards, and never
+	 * wrote a row of its own into it.  Only its shape is changed, DDL not
+	 * propagated.
+	 */
+	distributed_here := pg_catalog.to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL
+		AND EXISTS (SELECT FROM pg_catalog.pg_dist_partition p WHERE p.logicalrelid OPERATOR(pg_catalog.=) rel);
+	IF distributed_here THEN
+		PERFORM pg_catalog.set_config('citus.enable_ddl_propagation', 'off', true);
+	ELSIF must_be_empty THEN
 		EXECUTE pg_catalog.format('SELECT pg_catalog.count(*) FROM %s', rel) INTO rows_here;
 		IF rows_here OPERATOR(pg_catalog.>) 0 THEN
 			RAISE EXCEPTION 'idempotency.% on node %:% has % rows of its own', tbl,
@@ -217,7 +230,9 @@ BEGIN
 							  CASE WHEN want_coll IS NULL THEN ''
 								   ELSE ' COLLATE ' OPERATOR(pg_catalog.||) want_coll::text END);
 	-- The scope read as the tenant type, as Citus reads a delegated call's first argument.
-	EXECUTE pg_catalog.format('UPDATE %s SET tenant = %I::%s', rel, key_column, want_type);
+	IF NOT distributed_here THEN
+		EXECUTE pg_catalog.format('UPDATE %s SET tenant = %I::%s', rel, key_column, want_type);
+	END IF;
 	EXECUTE pg_catalog.format('ALTER TABLE %s ALTER COLUMN tenant SET NOT NULL', rel);
 	EXECUTE pg_catalog.format('ALTER TABLE %s DROP CONSTRAINT %I, ADD CONSTRAINT %I PRIMARY KEY (%I, %I, tenant)',
 							  rel, tbl OPERATOR(pg_catalog.||) '_pkey', tbl OPERATOR(pg_catalog.||) '_pkey',
@@ -255,6 +270,7 @@ DECLARE
 	coll_name	text;
 	tbl			text;
 	rel			pg_catalog.regclass;
+	already		boolean;
 	colocation	int4;
 	fn			pg_catalog.regprocedure;
 	failed		record;
@@ -307,18 +323,20 @@ BEGIN
 
 	FOREACH tbl IN ARRAY ARRAY['records', 'inbox'] LOOP
 		rel := pg_catalog.format('idempotency.%I', tbl)::pg_catalog.regclass;
-		IF EXISTS (SELECT FROM pg_catalog.pg_dist_partition p WHERE p.logicalrelid OPERATOR(pg_catalog.=) rel) THEN
-			IF NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition p
-							WHERE p.logicalrelid OPERATOR(pg_catalog.=) rel
-							  AND p.colocationid OPERATOR(pg_catalog.=) colocation) THEN
-				RAISE EXCEPTION 'idempotency.% is distributed already, but not colocated with %', tbl, tenant_table
-					USING ERRCODE := 'object_not_in_prerequisite_state',
-						  HINT := 'Undistribute it (SELECT undistribute_table(...)) first.';
-			END IF;
-			CONTINUE;
+		already := EXISTS (SELECT FROM pg_catalog.pg_dist_partition p
+							WHERE p.logicalrelid OPERATOR(pg_catalog.=) rel);
+		IF already AND NOT EXISTS (SELECT FROM pg_catalog.pg_dist_partition p
+									WHERE p.logicalrelid OPERATOR(pg_catalog.=) rel
+									  AND p.colocationid OPERATOR(pg_catalog.=) colocation) THEN
+			RAISE EXCEPTION 'idempotency.% is distributed already, but not colocated with %', tbl, tenant_table
+				USING ERRCODE := 'object_not_in_prerequisite_state',
+					  HINT := 'Undistribute it (SELECT undistribute_table(...)) first.';
 		END IF;
+		-- Every node, those added since a first run included, gets the tenant column.
 		IF NOT by_key THEN
-			PERFORM @extschema@.idem_citus_add_tenant(tbl, type_name, coll_name, false);
+			IF NOT already THEN
+				PERFORM @extschema@.idem_citus_add_tenant(tbl, type_name, coll_name, false);
+			END IF;
 			FOR failed IN
 				SELECT w.nodename, w.nodeport, w.result
 				  FROM pg_catalog.run_command_on_workers(
@@ -333,6 +351,7 @@ BEGIN
 						  HINT := 'Install the extension at this version on every node first.';
 			END LOOP;
 		END IF;
+		CONTINUE WHEN already;
 		PERFORM pg_catalog.create_distributed_table(rel::text,
 			CASE WHEN NOT by_key THEN 'tenant' WHEN tbl OPERATOR(pg_catalog.=) 'records' THEN 'scope' ELSE 'source' END,
 			colocate_with => tenant_table::text);

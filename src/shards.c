@@ -153,9 +153,15 @@ shard_map_column(ShardMap *map, Relation shell, AttrNumber attno)
 	Form_pg_attribute att;
 	TypeCacheEntry *type;
 
+	/* A node added after idem_citus_distribute has the extension's table only. */
 	if (attno < 1 || attno > desc->natts)
-		elog(ERROR, "distribution column %d of idempotency.%s does not exist",
-			 attno, RelationGetRelationName(shell));
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idempotency.%s on this node lacks the column Citus distributes it by",
+						RelationGetRelationName(shell)),
+				 errdetail("Citus distributes it by column %d; the table here has %d columns.",
+						   attno, desc->natts),
+				 errhint("Run SELECT idem_citus_distribute(...) on the coordinator again: it adds the tenant column on the nodes added since.")));
 	att = TupleDescAttr(desc, attno - 1);
 	map->dist_attno = attno;
 	map->dist_is_key = (attno == 1);

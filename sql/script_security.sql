@@ -830,9 +830,9 @@ BEGIN
 	PERFORM idem_stats_reset();
 END $fn$;
 
--- The overloads that take the scope (the inbox's source) as a tenant id
--- (1.4), each called once for bigint and once for uuid, through EXECUTE with
--- the same search_path.
+-- The functions of schema idem_citus, which take the scope (the inbox's
+-- source) as a tenant id (1.4), each called once for bigint and once for
+-- uuid, through EXECUTE with the same search_path.
 CREATE FUNCTION sec.exercise_tenants() RETURNS TABLE (step text, result text)
 LANGUAGE plpgsql SET search_path = evil, public, pg_catalog AS $fn$
 DECLARE
@@ -841,32 +841,32 @@ DECLARE
 	answer text;
 BEGIN
 	FOREACH s IN ARRAY ARRAY['42::bigint', '''a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11''::uuid'] LOOP
-		EXECUTE pg_catalog.format('SELECT outcome FROM idem_claim(%s, ''t-jsonb'', ''{"a": 1}''::jsonb)', s);
-		EXECUTE pg_catalog.format('SELECT idem_succeed(%s, ''t-jsonb'', 201)', s);
-		EXECUTE pg_catalog.format('SELECT outcome FROM idem_claim(%s, ''t-text'', ''{"a": 2}''::text)', s);
-		EXECUTE pg_catalog.format('SELECT idem_release(%s, ''t-text'')', s);
-		EXECUTE pg_catalog.format('SELECT outcome FROM idem_claim(%s, ''t-bytea'', ''\x01''::bytea)', s);
-		EXECUTE pg_catalog.format('SELECT idem_release(%s, ''t-bytea'')', s);
-		EXECUTE pg_catalog.format('SELECT state FROM idem_replay(%s, ''t-jsonb'')', s) INTO answer;
+		EXECUTE pg_catalog.format('SELECT outcome FROM idem_citus.idem_claim(%s, ''t-jsonb'', ''{"a": 1}''::jsonb)', s);
+		EXECUTE pg_catalog.format('SELECT idem_citus.idem_succeed(%s, ''t-jsonb'', 201)', s);
+		EXECUTE pg_catalog.format('SELECT outcome FROM idem_citus.idem_claim(%s, ''t-text'', ''{"a": 2}''::text)', s);
+		EXECUTE pg_catalog.format('SELECT idem_citus.idem_release(%s, ''t-text'')', s);
+		EXECUTE pg_catalog.format('SELECT outcome FROM idem_citus.idem_claim(%s, ''t-bytea'', ''\x01''::bytea)', s);
+		EXECUTE pg_catalog.format('SELECT idem_citus.idem_release(%s, ''t-bytea'')', s);
+		EXECUTE pg_catalog.format('SELECT state FROM idem_citus.idem_replay(%s, ''t-jsonb'')', s) INTO answer;
 		step := s OPERATOR(pg_catalog.||) ': claim, succeed, replay';
 		result := answer;
 		RETURN NEXT;
-		EXECUTE pg_catalog.format('SELECT status FROM idem_execute(%s, ''t-exec'', ''{}''::jsonb, ''sec.handler(jsonb)''::regprocedure)', s)
+		EXECUTE pg_catalog.format('SELECT status FROM idem_citus.idem_execute(%s, ''t-exec'', ''{}''::jsonb, ''sec.handler(jsonb)''::regprocedure)', s)
 			INTO answer;
 		step := s OPERATOR(pg_catalog.||) ': execute';
 		result := answer;
 		RETURN NEXT;
-		EXECUTE pg_catalog.format('SELECT idem_inbox_accept(%s, ''t-m1'')', s) INTO answer;
+		EXECUTE pg_catalog.format('SELECT idem_citus.idem_inbox_accept(%s, ''t-m1'')', s) INTO answer;
 		step := s OPERATOR(pg_catalog.||) ': inbox';
 		result := answer;
 		RETURN NEXT;
-		EXECUTE pg_catalog.format('SELECT token FROM idem_claim(%s, ''t-p1'', ''{}''::jsonb, lease => ''1 hour''::interval)', s)
+		EXECUTE pg_catalog.format('SELECT token FROM idem_citus.idem_claim(%s, ''t-p1'', ''{}''::jsonb, lease => ''1 hour''::interval)', s)
 			INTO tok;
-		EXECUTE pg_catalog.format('SELECT idem_checkpoint(%s, ''t-p1'', %s, ''step-1'')', s, tok);
-		EXECUTE pg_catalog.format('SELECT idem_extend(%s, ''t-p1'', %s, ''2 hours''::interval)', s, tok);
-		EXECUTE pg_catalog.format('SELECT idem_release(%s, ''t-p1'', %s)', s, tok);
-		EXECUTE pg_catalog.format('SELECT idem_resolve_release(%s, ''t-p1'', ''retry'') IS NOT NULL', s);
-		EXECUTE pg_catalog.format('SELECT idem_resolve_complete(%s, ''t-p1'', 201, note => ''done'') IS NOT NULL', s)
+		EXECUTE pg_catalog.format('SELECT idem_citus.idem_checkpoint(%s, ''t-p1'', %s, ''step-1'')', s, tok);
+		EXECUTE pg_catalog.format('SELECT idem_citus.idem_extend(%s, ''t-p1'', %s, ''2 hours''::interval)', s, tok);
+		EXECUTE pg_catalog.format('SELECT idem_citus.idem_release(%s, ''t-p1'', %s)', s, tok);
+		EXECUTE pg_catalog.format('SELECT idem_citus.idem_resolve_release(%s, ''t-p1'', ''retry'') IS NOT NULL', s);
+		EXECUTE pg_catalog.format('SELECT idem_citus.idem_resolve_complete(%s, ''t-p1'', 201, note => ''done'') IS NOT NULL', s)
 			INTO answer;
 		step := s OPERATOR(pg_catalog.||) ': phases, resolved';
 		result := answer;

@@ -110,18 +110,19 @@ SELECT classid, pg_describe_object(classid, objid, objsubid) AS object
  WHERE refclassid = 'pg_extension'::regclass AND deptype = 'e'
    AND refobjid = (SELECT oid FROM pg_extension WHERE extname = 'idempotency');
 -- On to the current version: 1.3 (the relay's options), then 1.4 (the Citus
--- setup, and the functions that take the scope as a bigint or uuid tenant).
+-- setup, and schema idem_citus: the functions that take the scope as a bigint
+-- or uuid tenant).
 ALTER EXTENSION idempotency UPDATE;
 SELECT extversion FROM pg_extension WHERE extname = 'idempotency';
 SELECT object FROM extension_objects
- WHERE object ~ '^function idem_(citus_|(claim|succeed|release|replay|execute|extend|checkpoint|resolve_complete|resolve_release|inbox_accept)\((bigint|uuid),)'
+ WHERE object ~ '^(function idem_citus|schema idem_citus|function idem_destination_sync)'
  ORDER BY 1;
 -- The scope as a tenant id names the same record as its text.
 BEGIN;
 SELECT outcome FROM idem_claim('42', 'k-tenant', '{}');
-SELECT idem_succeed(42, 'k-tenant', 200, '{"tenant": true}');
+SELECT idem_citus.idem_succeed(42, 'k-tenant', 200, '{"tenant": true}');
 COMMIT;
-SELECT outcome, body FROM idem_claim(42, 'k-tenant', '{}');
+SELECT outcome, body FROM idem_citus.idem_claim(42, 'k-tenant', '{}');
 CREATE TABLE upgraded_objects AS SELECT * FROM extension_objects;
 -- The objects 1.2 added (row types aside, as above).
 SELECT object FROM upgraded_objects

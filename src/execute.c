@@ -51,12 +51,21 @@ typedef struct ExecuteCache
 	TupleDesc	result_desc;
 } ExecuteCache;
 
-/* The OID of idem_response, which lives in the same schema as idem_execute. */
+/*
+ * The OID of idem_response, which lives in the same schema as the type
+ * idem_execute returns (idem_execute_result): the extension's schema, also
+ * for the idem_execute of schema idem_citus.
+ */
 static Oid
 response_type_oid(Oid funcoid)
 {
-	Oid			nspid = get_func_namespace(funcoid);
+	HeapTuple	typtup = SearchSysCache1(TYPEOID, ObjectIdGetDatum(get_func_rettype(funcoid)));
+	Oid			nspid;
 
+	if (!HeapTupleIsValid(typtup))
+		elog(ERROR, "cache lookup failed for the result type of function %u", funcoid);
+	nspid = ((Form_pg_type) GETSTRUCT(typtup))->typnamespace;
+	ReleaseSysCache(typtup);
 	return GetSysCacheOid2(TYPENAMENSP, Anum_pg_type_oid,
 						   CStringGetDatum("idem_response"),
 						   ObjectIdGetDatum(nspid));

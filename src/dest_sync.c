@@ -258,7 +258,7 @@ PG_FUNCTION_INFO_V1(idem_destination_sync);
 Datum
 idem_destination_sync(PG_FUNCTION_ARGS)
 {
-	text	   *name = PG_GETARG_TEXT_PP(0);
+	text	   *name;
 	Jsonb	   *definition = PG_ARGISNULL(1) ? NULL : PG_GETARG_JSONB_P(1);
 	bool		resumed = !PG_ARGISNULL(2) && PG_GETARG_BOOL(2);
 	Oid			argtypes[3] = {TEXTOID, TEXTOID, TEXTOID};
@@ -274,6 +274,7 @@ idem_destination_sync(PG_FUNCTION_ARGS)
 		ereport(ERROR,
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 				 errmsg("name must not be null")));
+	name = PG_GETARG_TEXT_PP(0);
 	values[0] = PointerGetDatum(name);
 
 	{

@@ -42,7 +42,8 @@ my $seed = $ENV{IDEM_HOSTILE_SEED} // 20261130;
 my $random_calls = $ENV{IDEM_HOSTILE_CALLS} // 200;
 my $batch_size = 150;
 my $started = time;
-diag("hostile input: seed $seed (IDEM_HOSTILE_SEED to change), $random_calls random calls per function");
+diag("hostile input: seed $seed (IDEM_HOSTILE_SEED to change), $random_calls random calls per function"
+	. " (a tenth of that for the functions of schema idem_citus, the same C functions as the others)");
 
 my $node = PostgreSQL::Test::Cluster->new('hostile');
 $node->init;
@@ -153,7 +154,10 @@ for my $line (split /\n/, $node->safe_psql('postgres', q{
 {
 	my ($sig, $name, $nargs, $ndefaults, $args) = split /\|/, $line;
 	my @args = map { [ split /:/, $_, 2 ] } grep { $_ ne '' } split /;/, $args;
-	push @functions, { sig => $sig, name => $name, nargs => $nargs,
+	# The name as the signature spells it: qualified outside the search_path
+	# (the functions of schema idem_citus).
+	(my $qualified = $sig) =~ s/\(.*//s;
+	push @functions, { sig => $sig, name => $name, qualified => $qualified, nargs => $nargs,
 		ndefaults => $ndefaults, args => \@args };
 }
 cmp_ok(scalar @functions, '>=', 30, scalar(@functions) . ' functions of the extension listed from pg_proc');
@@ -171,23 +175,27 @@ sub scenario
 	my ($f, $id, $args) = @_;
 	my $n = $f->{name};
 	my %has = map { $_->[0] => 1 } @{ $f->{args} };
-	my $scope = q{'hx'};
+	# The scope as the function takes it: text, or a tenant id of schema
+	# idem_citus's functions (an untyped literal would be ambiguous there).
+	my %typed_scope = (bigint => '42::bigint', uuid => q{'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11'::uuid});
+	my $scope = @{ $f->{args} } ? $typed_scope{ $f->{args}[0][1] } // q{'hx'} : q{'hx'};
+	my $claim_fn = $scope eq q{'hx'} ? 'idem_claim' : 'idem_citus.idem_claim';
 	my $key = "'k$id'";
-	my $claim = "SELECT idem_claim($scope, $key, '{\"a\": 1}'::jsonb)";
+	my $claim = "SELECT $claim_fn($scope, $key, '{\"a\": 1}'::jsonb)";
 	if ($n eq 'idem_succeed' || ($n eq 'idem_release' && !$has{token}))
 	{
 		return ([], [$claim], { scope => $scope, key => $key }) if HostileInput::rnd(2);
-		return (["SELECT idem_claim($scope, $key, '{\"a\": 1}'::jsonb, lease => '1 hour')"], [],
+		return (["SELECT $claim_fn($scope, $key, '{\"a\": 1}'::jsonb, lease => '1 hour')"], [],
 			{ scope => $scope, key => $key, token => '1::bigint' });
 	}
 	if ($n =~ /^idem_(release|checkpoint|extend)$/)
 	{
-		return (["SELECT idem_claim($scope, $key, '{\"a\": 1}'::jsonb, lease => '1 hour')"], [],
+		return (["SELECT $claim_fn($scope, $key, '{\"a\": 1}'::jsonb, lease => '1 hour')"], [],
 			{ scope => $scope, key => $key });
 	}
 	if ($n =~ /^idem_resolve_/)
 	{
-		return (["SELECT idem_claim($scope, $key, '{\"a\": 1}'::jsonb, lease => '1 us')"], [],
+		return (["SELECT $claim_fn($scope, $key, '{\"a\": 1}'::jsonb, lease => '1 us')"], [],
 			{ scope => $scope, key => $key });
 	}
 	if ($n eq 'idem_replay' || $n eq 'idem_claim')
@@ -221,7 +229,8 @@ for my $f (@functions)
 		push @plans, { null => -1, arity => $arity, random => 0 };
 	}
 	push @plans, { null => -1, random => 1,
-		arity => $f->{nargs} - HostileInput::rnd($f->{ndefaults} + 1) } for 1 .. $random_calls;
+		arity => $f->{nargs} - HostileInput::rnd($f->{ndefaults} + 1) }
+	  for 1 .. ($f->{qualified} =~ /^idem_citus\./ ? int($random_calls / 10) : $random_calls);
 
 	for my $plan (@plans)
 	{
@@ -248,7 +257,7 @@ for my $f (@functions)
 		$shape = HostileInput::one(grep { $_ ne 'autocommit' } @shapes) if @$prefix;
 		push @blocks, {
 			id => $id, fn => $f->{sig},
-			call => "SELECT * FROM $f->{name}(" . join(', ', @args) . ')',
+			call => "SELECT * FROM $f->{qualified}(" . join(', ', @args) . ')',
 			setup => $setup, prefix => $prefix, shape => $shape,
 			role => HostileInput::rnd(4) == 0 ? 'hostile' : undef,
 		};

@@ -26,6 +26,11 @@
 #                  with the columns, primary key and rows of the records.
 #
 # Target (issue 13): the median of the per-round ratios ours/floor >= 0.9.
+# Every slice also measures the CPU time per call of the coordinator's and
+# the workers' backends (from /proc), a figure that the machine's other load
+# hardly changes, unlike throughput: its ratio floor/ours says what the
+# throughput ratio would be on a machine of our own where the database's
+# CPU is the bottleneck (pgbench's own CPU, the same on both sides, left out).
 #
 #   bash bench/citus.sh                     # full run, about 6 minutes
 #   BENCH_SMOKE=1 bash bench/citus.sh       # smoke run, about 2 minutes
@@ -41,8 +46,8 @@
 # BENCH_PERF=DIR adds, after each comparison's rounds, a slice of each side
 # that is not measured but profiled: perf record of the workers' backends
 # into DIR (BENCH_PERF_ARGS, default -g; "--call-graph dwarf -F 999" gives
-# call graphs through Debian's postgres, which has no frame pointers), and
-# the CPU time per call of the workers' and the coordinator's backends.
+# call graphs through Debian's postgres, which has no frame pointers), with
+# their CPU time per call by shared object.
 #
 # Runs as root, like bench/relay.sh: builds and installs the extension
 # (IDEM_DESTDIR=/tmp/x installs it into a staging copy of PostgreSQL, whose
@@ -309,15 +314,62 @@ bench_run() {
 		-f "$WORK/sql/$script" "$@" bench) >"$out/stdout" 2>"$out/stderr"
 }
 
-# run_slice NAME SCRIPT: one pgbench slice of SECS seconds; prints
-# "transactions seconds failed errors".  A client aborted by an error makes
-# pgbench exit 2: counted, not fatal.
+# cpu_ticks PID...: "pid ticks" for each, its user + system CPU time so far
+# in clock ticks (nothing for a process that is gone).
+cpu_ticks() {
+	local p
+	for p in "$@"; do
+		[ -r "/proc/$p/stat" ] && awk -v p="$p" '{ print p, $14 + $15 }' "/proc/$p/stat" 2>/dev/null || true
+	done
+}
+
+# cpu_used BEFORE AFTER: the ticks between two cpu_ticks of the same
+# processes, counting only those alive at both.
+cpu_used() {
+	awk 'NR == FNR { t0[$1] = $2; next } ($1 in t0) { used += $2 - t0[$1] } END { print used + 0 }' \
+		<(echo "$1") <(echo "$2")
+}
+
+# backends PORT FILTER: the pids of node PORT's client backends in bench
+# that match FILTER (an SQL condition on pg_stat_activity).
+backends() {
+	sqlp "$1" -c "SELECT string_agg(pid::text, ' ') FROM pg_stat_activity
+		WHERE backend_type = 'client backend' AND datname = 'bench' AND pid <> pg_backend_pid() AND $2"
+}
+
+# run_slice NAME SCRIPT SECONDS [PERF_FILE]: one pgbench slice; prints
+# "transactions seconds failed errors coordinator-us workers-us".
+# A client aborted by an error makes pgbench exit 2: counted, not fatal.
+#
+# The last two are the CPU time that one call costs the coordinator's
+# backends (pgbench's connections) and the workers' (the coordinator's
+# connections to them, "citus_internal gpid=..."), read from /proc over a
+# window from 1 s after the start to 1 s before the end (all connections
+# are open by then), divided by the calls that completed in the window
+# (pgbench's per-transaction log).  Unlike throughput, it hardly depends
+# on what else runs on the machine.  With PERF_FILE, perf records the
+# workers' backends during the window, which then ends 3 s before the
+# slice does (perf takes its time to start and to stop).
 run_slice() {
-	local name=$1 script=$2
-	local out="$WORK/out/$name-$EPOCHREALTIME"
-	local rc=0
-	bench_run "$out" "$script" -T "$SECS" || rc=$?
-	local txns tps failed errors
+	local name=$1 script=$2 secs=$3 perf_file=${4:-}
+	local out="$WORK/out/$name-$EPOCHREALTIME" window
+	local rc=0 bench_pid coord workers c0 c1 w0 w1 t0 t1
+	if [ -n "$perf_file" ]; then window=$((secs > 5 ? secs - 4 : 1)); else window=$((secs > 3 ? secs - 2 : 1)); fi
+	bench_run "$out" "$script" -T "$secs" -l --log-prefix="$out/lat" &
+	bench_pid=$!
+	sleep 1
+	coord=$(backends "$COORD_PORT" "application_name = 'pgbench'")
+	workers="$(backends "$W1_PORT" "application_name LIKE 'citus_internal gpid=%'") $(backends "$W2_PORT" "application_name LIKE 'citus_internal gpid=%'")"
+	c0=$(cpu_ticks $coord) w0=$(cpu_ticks $workers) t0=$EPOCHREALTIME
+	if [ -n "$perf_file" ]; then
+		perf record -q $PERF_ARGS -p "$(echo $workers | tr ' ' ',')" -o "$perf_file" -- sleep "$window" >/dev/null 2>&1 || true
+	else
+		sleep "$window"
+	fi
+	c1=$(cpu_ticks $coord) w1=$(cpu_ticks $workers) t1=$EPOCHREALTIME
+	c1=$(cpu_used "$c0" "$c1") w1=$(cpu_used "$w0" "$w1")
+	wait "$bench_pid" || rc=$?
+	local txns tps failed errors calls
 	txns=$(sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p' "$out/stdout")
 	tps=$(sed -n 's/^tps = \([0-9.]*\) (without initial connection time)/\1/p' "$out/stdout")
 	failed=$(sed -n 's/^number of failed transactions: \([0-9]*\).*/\1/p' "$out/stdout")
@@ -327,29 +379,43 @@ run_slice() {
 		head -5 "$out/stderr" | sed 's/^/     /' >&2
 		errors=$(( ${errors:-0} > 0 ? errors : 1 ))
 	fi
+	# Log columns 5 and 6: when a transaction completed (epoch seconds, microseconds).
+	calls=$(cat "$out"/lat.* 2>/dev/null | awk -v a="$t0" -v b="$t1" '{ t = $5 + $6 / 1e6 } t >= a && t < b { n++ } END { print n + 0 }')
+	rm -f "$out"/lat.*
 	# Measured time as pgbench saw it: transactions / tps.
-	awk -v t="${txns:-0}" -v r="${tps:-0}" -v f="${failed:-0}" -v e="$errors" \
-		'BEGIN { printf "%d %.6f %d %d\n", t, (r > 0 ? t / r : 0), f, e }'
+	awk -v t="${txns:-0}" -v r="${tps:-0}" -v f="${failed:-0}" -v e="$errors" -v n="$calls" \
+		-v c="$c1" -v w="$w1" -v hz="$(getconf CLK_TCK)" \
+		'BEGIN { printf "%d %.6f %d %d %.1f %.1f\n", t, (r > 0 ? t / r : 0), f, e,
+		         (n ? c * 1e6 / hz / n : 0), (n ? w * 1e6 / hz / n : 0) }'
 }
 
 # compare NAME OURS_SCRIPT FLOOR_SCRIPT: interleaved rounds; sets OURS_TPS
-# FLOOR_TPS RATIO MEDIAN ROUND_RATIOS ERRORS.
+# FLOOR_TPS RATIO MEDIAN ROUND_RATIOS ERRORS, and CPU_MEDIAN (the median of
+# the rounds' floor/ours ratios of CPU time per call, coordinator and
+# workers together) and OURS_CPU FLOOR_CPU (the medians of each side's).
 compare() {
 	local name=$1 ours=$2 floor=$3
-	local -A txns=([ours]=0 [floor]=0) secs=([ours]=0 [floor]=0) tps
-	local round side order t s f e script ratio
+	local -A txns=([ours]=0 [floor]=0) secs=([ours]=0 [floor]=0) tps cpu cpus=([ours]="" [floor]="")
+	local round side order t s f e c w script ratio cpu_ratios=""
 	ERRORS=0 ROUND_RATIOS=""
 	echo "== $name, $CLIENTS clients, $ROUNDS x ${SECS}s per side"
+	# Warm-up, not counted: the first slices after setup fill empty tables.
+	for side in ours floor; do
+		settle
+		run_slice "$name-warmup-$side" "$([ $side = ours ] && echo "$ours" || echo "$floor")" 3 >/dev/null
+	done
 	for ((round = 1; round <= ROUNDS; round++)); do
 		if ((round % 2)); then order="ours floor"; else order="floor ours"; fi
 		for side in $order; do
 			settle
 			script=$ours
 			[ "$side" = floor ] && script=$floor
-			read -r t s f e < <(run_slice "$name-$side" "$script")
+			read -r t s f e c w < <(run_slice "$name-$side" "$script" "$SECS")
 			tps[$side]=$(awk -v t="$t" -v s="$s" 'BEGIN { printf "%.1f", (s > 0 ? t / s : 0) }')
-			printf '   round %d %-5s %8d tx  %8.1f tps  failed %d  errors %d  (load %s)\n' \
-				"$round" "$side" "$t" "${tps[$side]}" "$f" "$e" "$(cut -d' ' -f1 /proc/loadavg)"
+			cpu[$side]=$(awk -v c="$c" -v w="$w" 'BEGIN { printf "%.1f", c + w }')
+			cpus[$side]+=" ${cpu[$side]}"
+			printf '   round %d %-5s %8d tx  %8.1f tps  failed %d  errors %d   CPU us/call: coordinator %5.1f  workers %5.1f   (load %s)\n' \
+				"$round" "$side" "$t" "${tps[$side]}" "$f" "$e" "$c" "$w" "$(cut -d' ' -f1 /proc/loadavg)"
 			txns[$side]=$((txns[$side] + t))
 			secs[$side]=$(awk -v a="${secs[$side]}" -v b="$s" 'BEGIN { print a + b }')
 			ERRORS=$((ERRORS + f + e))
@@ -357,67 +423,42 @@ compare() {
 		# The two slices of a round ran back to back: their ratio is the
 		# least disturbed by load that comes and goes on a shared machine.
 		ratio=$(awk -v a="${tps[ours]}" -v b="${tps[floor]}" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }')
-		echo "   round $round ratio $ratio"
 		ROUND_RATIOS+=" $ratio"
+		cpu_ratios+=" $(awk -v a="${cpu[ours]}" -v b="${cpu[floor]}" 'BEGIN { printf "%.2f", (a > 0 ? b / a : 0) }')"
+		echo "   round $round ratio $ratio (CPU per call, floor/ours: ${cpu_ratios##* })"
 	done
 	ROUND_RATIOS=${ROUND_RATIOS# }
-	MEDIAN=$(echo "$ROUND_RATIOS" | tr ' ' '\n' | sort -g | awk '{ v[NR] = $1 } END { if (NR % 2) printf "%.2f", v[(NR + 1) / 2]; else printf "%.2f", (v[NR / 2] + v[NR / 2 + 1]) / 2 }')
+	MEDIAN=$(median $ROUND_RATIOS)
+	CPU_MEDIAN=$(median $cpu_ratios)
+	OURS_CPU=$(median ${cpus[ours]} | awk '{ printf "%.1f", $1 }')
+	FLOOR_CPU=$(median ${cpus[floor]} | awk '{ printf "%.1f", $1 }')
 	OURS_TPS=$(awk -v t="${txns[ours]}" -v s="${secs[ours]}" 'BEGIN { printf "%.1f", (s > 0 ? t / s : 0) }')
 	FLOOR_TPS=$(awk -v t="${txns[floor]}" -v s="${secs[floor]}" 'BEGIN { printf "%.1f", (s > 0 ? t / s : 0) }')
 	RATIO=$(awk -v a="$OURS_TPS" -v b="$FLOOR_TPS" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }')
-	echo "   => ours $OURS_TPS tps, floor $FLOOR_TPS tps, ratio $RATIO, median of the rounds' ratios $MEDIAN"
+	echo "   => ours $OURS_TPS tps, floor $FLOOR_TPS tps, ratio $RATIO, median of the rounds' ratios $MEDIAN;" \
+		"CPU per call: ours $OURS_CPU us, floor $FLOOR_CPU us, median of the rounds' floor/ours $CPU_MEDIAN"
 }
 
-# cpu_ticks PID...: their user + system CPU time so far, in clock ticks.
-cpu_ticks() {
-	local p
-	for p in "$@"; do cut -d' ' -f14,15 "/proc/$p/stat"; done | awk '{ t += $1 + $2 } END { print t + 0 }'
+# median NUMBER...
+median() {
+	printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { if (NR % 2) printf "%.2f", v[(NR + 1) / 2]; else printf "%.2f", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
 }
 
-# profile NAME SCRIPT: with BENCH_PERF, one more slice, not measured: once
-# its clients are connected, perf records the workers' client backends (the
-# coordinator's connections to them) for SECS - 2 seconds (at least 2), and
-# the CPU time of the coordinator's backends is read from /proc meanwhile;
-# divided by the calls that completed in that window (from pgbench's
-# per-transaction log), that is what one call costs each, in microseconds.
-# Prints "calls worker-us coordinator-us", and leaves DIR/NAME.data.
-# (The slice lasts 4 s more than the window: perf takes a while to start.)
-profile() {
-	local name=$1 script=$2 out="$WORK/out/$1-profile"
-	local window=$((SECS > 4 ? SECS - 2 : 2))
-	bench_run "$out" "$script" -T $((window + 4)) -l --log-prefix="$out/lat" &
-	local bench_pid=$! workers="" coord p t0 t1 c0 c1 calls perf_ns
-	sleep 1
-	for p in "$W1_PORT" "$W2_PORT"; do
-		workers+=$(sqlp "$p" -c "SELECT string_agg(pid::text, ',') FROM pg_stat_activity
-			WHERE backend_type = 'client backend' AND pid <> pg_backend_pid() AND datname = 'bench'"),
-	done
-	coord=$(sql -c "SELECT string_agg(pid::text, ' ') FROM pg_stat_activity WHERE application_name = 'pgbench'")
-	c0=$(cpu_ticks $coord) t0=$EPOCHREALTIME
-	perf record -q $PERF_ARGS -p "${workers%,}" -o "$PERF_DIR/$name.data" -- sleep "$window" >/dev/null 2>&1 || true
-	c1=$(cpu_ticks $coord) t1=$EPOCHREALTIME
-	wait "$bench_pid" || true
-	# Log columns 5 and 6: when a transaction completed (epoch seconds, microseconds).
-	calls=$(cat "$out"/lat.* 2>/dev/null | awk -v a="$t0" -v b="$t1" '{ t = $5 + $6 / 1e6 } t >= a && t < b { n++ } END { print n + 0 }')
-	[ "$calls" -gt 0 ] || { echo "  !! $name: no calls in the profile's window; pgbench said:" >&2; head -5 "$out/stderr" >&2; ls "$out" >&2; }
-	perf_ns=$(perf report -i "$PERF_DIR/$name.data" --stdio 2>/dev/null | sed -n 's/^# Event count (approx.): //p' | head -1)
-	awk -v n="$calls" -v w="${perf_ns:-0}" -v c=$((c1 - c0)) -v hz="$(getconf CLK_TCK)" \
-		'BEGIN { printf "%d %.1f %.1f\n", n, (n ? w / 1000 / n : 0), (n ? c * 1e6 / hz / n : 0) }'
-}
-
-# profile_pair NAME OURS_SCRIPT FLOOR_SCRIPT: profile both sides and print,
-# per call, the workers' CPU time (all, and by shared object, from perf)
-# and the coordinator's.
+# profile_pair NAME OURS_SCRIPT FLOOR_SCRIPT: with BENCH_PERF, one more
+# slice of each side (at least 6 s), not measured, with perf recording the
+# workers' backends into DIR/NAME-SIDE.data; prints their CPU time per call
+# by shared object.
 profile_pair() {
 	[ -n "$PERF_DIR" ] || return 0
-	local name=$1 side n w c
+	local name=$1 side t s f e c w
 	local -A us
 	mkdir -p "$PERF_DIR"
 	echo "   profile (not measured; BENCH_PERF=$PERF_DIR): CPU time per call, microseconds"
 	for side in ours floor; do
 		settle
-		read -r n w c < <(profile "$name-$side" "$([ $side = ours ] && echo "$2" || echo "$3")") || true
-		printf '     %-5s  %6d calls profiled   workers %6.1f   coordinator %6.1f\n' "$side" "$n" "$w" "$c"
+		read -r t s f e c w < <(run_slice "$name-$side-perf" "$([ $side = ours ] && echo "$2" || echo "$3")" \
+			$((SECS > 6 ? SECS : 6)) "$PERF_DIR/$name-$side.data")
+		printf '     %-5s  coordinator %6.1f   workers %6.1f, of which:\n' "$side" "$c" "$w"
 		us[$side]=$w
 		# The workers' time by shared object, the biggest first.
 		perf report -i "$PERF_DIR/$name-$side.data" --no-children -g none --sort dso -q 2>/dev/null \
@@ -432,8 +473,9 @@ SUMMARY=()
 row() {
 	local verdict
 	verdict=$(awk -v r="$MEDIAN" -v t="$TARGET" 'BEGIN { print (r + 0 >= t + 0 ? "ok" : "BELOW") }')
-	SUMMARY+=("$(printf '%-8s %7s %10s %11s %7s %7s   >= %s %-5s  %s%s' "$1" "$CLIENTS" "$OURS_TPS" "$FLOOR_TPS" \
-		"$RATIO" "$MEDIAN" "$TARGET" "$verdict" "$ROUND_RATIOS" "$( ((ERRORS)) && echo "  ERRORS $ERRORS")")")
+	SUMMARY+=("$(printf '%-8s %7s %10s %11s %7s %7s   >= %s %-5s  %-20s %9s %9s %9s%s' "$1" "$CLIENTS" "$OURS_TPS" \
+		"$FLOOR_TPS" "$RATIO" "$MEDIAN" "$TARGET" "$verdict" "$ROUND_RATIOS" "$OURS_CPU" "$FLOOR_CPU" "$CPU_MEDIAN" \
+		"$( ((ERRORS)) && echo "  ERRORS $ERRORS")")")
 }
 
 # Where the rows of TABLE whose key starts with PREFIX are: a count per
@@ -504,8 +546,11 @@ echo
 echo "idempotency $IDEM_VERSION on Citus $CITUS_VERSION  $(date +%F)  ($(nproc) cores, PostgreSQL $PG_VERSION," \
 	"coordinator + 2 workers on this machine, $SHARDS shards, synchronous_commit=off, pgbench -M $PROTOCOL," \
 	"$ROUNDS x ${SECS}s per side)"
-printf '%-8s %7s %10s %11s %7s %7s   %-11s %s\n' test clients "ours tps" "floor tps" ratio median target "round ratios"
-echo "(ratio: all transactions of each side; median: of the per-round ratios, which the target is judged by)"
+printf '%-8s %7s %10s %11s %7s %7s   %-13s %-20s %9s %9s %9s\n' test clients "ours tps" "floor tps" ratio median target \
+	"round ratios" "ours us" "floor us" "CPU ratio"
+echo "(ratio: all transactions of each side; median: of the per-round ratios, which the target is judged by;"
+echo " us: CPU time of the coordinator's and the workers' backends per call, median of the rounds; CPU ratio:"
+echo " median of the rounds' floor us / ours us, which the machine's other load hardly changes)"
 printf '%s\n' "${SUMMARY[@]}"
 echo "load average at start $LOAD_START, at end $(cut -d' ' -f1-3 /proc/loadavg)"
 [ -n "$PERF_DIR" ] && echo "perf profiles of the workers' backends: $PERF_DIR/*.data"

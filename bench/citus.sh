@@ -28,7 +28,7 @@
 # Target (issue 13): the median of the per-round ratios ours/floor >= 0.9.
 # Every slice also measures the CPU time per call of the coordinator's and
 # the workers' backends (from /proc), a figure that the machine's other load
-# hardly changes, unlike throughput: its ratio floor/ours says what the
+# changes less than throughput: its ratio floor/ours says what the
 # throughput ratio would be on a machine of our own where the database's
 # CPU is the bottleneck (pgbench's own CPU, the same on both sides, left out).
 #
@@ -346,8 +346,8 @@ backends() {
 # connections to them, "citus_internal gpid=..."), read from /proc over a
 # window from 1 s after the start to 1 s before the end (all connections
 # are open by then), divided by the calls that completed in the window
-# (pgbench's per-transaction log).  Unlike throughput, it hardly depends
-# on what else runs on the machine.  With PERF_FILE, perf records the
+# (pgbench's per-transaction log).  What else runs on the machine changes
+# it less than it changes throughput.  With PERF_FILE, perf records the
 # workers' backends during the window, which then ends 3 s before the
 # slice does (perf takes its time to start and to stop).
 run_slice() {
@@ -550,7 +550,7 @@ printf '%-8s %7s %10s %11s %7s %7s   %-13s %-20s %9s %9s %9s\n' test clients "ou
 	"round ratios" "ours us" "floor us" "CPU ratio"
 echo "(ratio: all transactions of each side; median: of the per-round ratios, which the target is judged by;"
 echo " us: CPU time of the coordinator's and the workers' backends per call, median of the rounds; CPU ratio:"
-echo " median of the rounds' floor us / ours us, which the machine's other load hardly changes)"
+echo " median of the rounds' floor us / ours us, which the machine's other load changes less)"
 printf '%s\n' "${SUMMARY[@]}"
 echo "load average at start $LOAD_START, at end $(cut -d' ' -f1-3 /proc/loadavg)"
 [ -n "$PERF_DIR" ] && echo "perf profiles of the workers' backends: $PERF_DIR/*.data"

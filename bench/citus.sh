@@ -24,6 +24,10 @@
 #           FLOOR  replay_order_floor(): a primary-key SELECT of the same
 #                  stored response from floor_records, a distributed table
 #                  with the columns, primary key and rows of the records.
+#   BENCH_RECORD_FLOOR=1 adds, for information (no target), create against
+#   a floor that also writes the record: create_order_floor_record() does
+#   the INSERT INTO orders and a plain INSERT of a completed record into
+#   floor_records, the least a durable idempotency layer must write, in SQL.
 #
 # Target (issue 13): the median of the per-round ratios ours/floor >= 0.9.
 # Every slice also measures the CPU time per call of the coordinator's and
@@ -70,6 +74,7 @@ else
 	SECS=${BENCH_SECONDS:-10} ROUNDS=${BENCH_ROUNDS:-4} CLIENTS=${BENCH_CLIENTS:-4}
 	REPLAY_KEYS=${BENCH_REPLAY_KEYS:-10000}
 fi
+RECORD_FLOOR=${BENCH_RECORD_FLOOR:-0}
 PROTOCOL=${BENCH_PROTOCOL:-simple}   # pgbench -M: simple (as bench/run.sh), extended or prepared
 TENANTS=${BENCH_TENANTS:-1000}
 SHARDS=${BENCH_SHARDS:-32}
@@ -260,6 +265,28 @@ BEGIN
 	RETURN v_body;
 END $$;
 SELECT create_distributed_function('replay_order_floor(bigint, text, int)', '$1', colocate_with => 'orders');
+
+-- BENCH_RECORD_FLOOR: the floor of create plus the record a claim and
+-- succeed leave (the sizes of ours: a SHA-256 fingerprint, the response),
+-- written with SQL.
+CREATE FUNCTION create_order_floor_record(p_tenant bigint, p_key text, p_amount int) RETURNS jsonb
+LANGUAGE plpgsql AS $$
+DECLARE
+	v_id	bigint;
+	v_body	jsonb;
+BEGIN
+	INSERT INTO orders (tenant_id, key, amount) VALUES (p_tenant, p_key, p_amount)
+	RETURNING id INTO v_id;
+	v_body := jsonb_build_object('order_id', v_id);
+	INSERT INTO floor_records (scope, key, state, fingerprint, status, headers, body, token,
+							   created_at, completed_at, expires_at, claimed_at, owner, tenant)
+	VALUES (p_tenant::text, p_key, 'completed',
+			'\x9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08', 201,
+			'{"Location": "/orders"}', v_body, 1, now(), now(), now() + interval '1 day', now(),
+			'10', p_tenant);
+	RETURN v_body;
+END $$;
+SELECT create_distributed_function('create_order_floor_record(bigint, text, int)', '$1', colocate_with => 'orders');
 EOF
 
 # The pgbench scripts (readable by postgres).  Tenants are drawn from
@@ -274,6 +301,11 @@ cat >"$WORK/sql/create_floor.sql" <<'EOF'
 \set tenant random(1, :ntenants)
 \set n random(1, 1000000000000000)
 SELECT create_order_floor(:tenant, 'f:client_id-:n', 42);
+EOF
+cat >"$WORK/sql/create_floor_record.sql" <<'EOF'
+\set tenant random(1, :ntenants)
+\set n random(1, 1000000000000000)
+SELECT create_order_floor_record(:tenant, 'g:client_id-:n', 42);
 EOF
 cat >"$WORK/sql/replay_ours.sql" <<'EOF'
 \set n random(1, :nkeys)
@@ -515,6 +547,15 @@ echo "   ours: $orders orders, $recs completed records (by worker port: $(per_wo
 echo "   calls so far of create_order: $(calls_of create_order); of create_order_floor: $(calls_of create_order_floor)"
 [ "$recs" = "$orders" ] || echo "   !! ours: orders and completed records differ" >&2
 
+if [ "$RECORD_FLOOR" = 1 ]; then
+	compare "create against a floor with the record" create_ours.sql create_floor_record.sql
+	SUMMARY+=("$(printf '%-8s %7s %10s %11s %7s %7s   %-13s %-20s %9s %9s %9s%s' "(record)" "$CLIENTS" "$OURS_TPS" \
+		"$FLOOR_TPS" "$RATIO" "$MEDIAN" "(info)" "$ROUND_RATIOS" "$OURS_CPU" "$FLOOR_CPU" "$CPU_MEDIAN" \
+		"$( ((ERRORS)) && echo "  ERRORS $ERRORS")")")
+	echo "   floor_records: $(sql -c "SELECT count(*) FROM floor_records WHERE key LIKE 'g%'") records," \
+		"orders: $(sql -c "SELECT count(*) FROM orders WHERE key LIKE 'g%'")"
+fi
+
 # ---------------------------------------------------------------- b. replay
 # REPLAY_KEYS keys created through create_order itself, from the
 # coordinator (so delegated, as in the measurement), then their records
@@ -526,8 +567,9 @@ awk -v k="$REPLAY_KEYS" -v t="$TENANTS" \
 chown postgres: "$WORK/sql/populate.sql"
 sql -f "$WORK/sql/populate.sql" >/dev/null
 sql -c "INSERT INTO floor_records SELECT * FROM idempotency.records WHERE key ~ '^r[0-9]+\$'"
+FLOOR_ROWS=$(sql -c "SELECT count(*) FROM floor_records WHERE key ~ '^r[0-9]+\$'")
 echo "   records $(sql -c "SELECT count(*) FROM idempotency.records WHERE key ~ '^r[0-9]+\$' AND state = 'completed'")" \
-	"(by worker port: $(per_worker idempotency.records r)), floor_records $(sql -c "SELECT count(*) FROM floor_records")"
+	"(by worker port: $(per_worker idempotency.records r)), floor_records $FLOOR_ROWS"
 orders_before=$(sql -c "SELECT count(*) FROM orders WHERE key LIKE 'r%'")
 # (Each a top-level call of its own: only those does Citus delegate.)
 echo "   create_order on a completed key: $(sql -c "SELECT create_order(1, 'r$TENANTS', 42)");" \

@@ -19,6 +19,9 @@
 #                  idem_succeed, a new key each call;
 #           FLOOR  create_order_floor(): the same INSERT INTO orders of an
 #                  equally sized row, nothing else.
+#   execute OURS   idem_citus.idem_execute(:tenant, key, request,
+#                  'order_handler(jsonb)'), the same create in one call: the
+#                  handler does the same INSERT; FLOOR as for create.
 #   replay  OURS   create_order() again with keys it completed before: the
 #                  claim replays the stored response, nothing is inserted;
 #           FLOOR  replay_order_floor(): a primary-key SELECT of the same
@@ -224,7 +227,7 @@ DECLARE
 	v_id	bigint;
 	v_body	jsonb;
 BEGIN
-	c := idem_claim(p_tenant, p_key, jsonb_build_object('amount', p_amount, 'key', p_key));
+	c := idem_citus.idem_claim(p_tenant, p_key, jsonb_build_object('amount', p_amount, 'key', p_key));
 	IF c.outcome = 'replay' THEN
 		RETURN c.body;
 	ELSIF c.outcome <> 'claimed' THEN
@@ -233,7 +236,7 @@ BEGIN
 	INSERT INTO orders (tenant_id, key, amount) VALUES (p_tenant, p_key, p_amount)
 	RETURNING id INTO v_id;
 	v_body := jsonb_build_object('order_id', v_id);
-	PERFORM idem_succeed(p_tenant, p_key, 201, v_body, '{"Location": "/orders"}');
+	PERFORM idem_citus.idem_succeed(p_tenant, p_key, 201, v_body, '{"Location": "/orders"}');
 	RETURN v_body;
 END $$;
 SELECT create_distributed_function('create_order(bigint, text, int)', '$1', colocate_with => 'orders');
@@ -249,6 +252,20 @@ BEGIN
 	RETURN jsonb_build_object('order_id', v_id);
 END $$;
 SELECT create_distributed_function('create_order_floor(bigint, text, int)', '$1', colocate_with => 'orders');
+
+-- OURS, one call: idem_execute delegated to the tenant's worker, which
+-- claims, calls this handler (the same INSERT as the floor's) in a
+-- subtransaction and stores its response.
+CREATE FUNCTION order_handler(request jsonb) RETURNS idem_response
+LANGUAGE plpgsql AS $$
+DECLARE
+	v_id	bigint;
+BEGIN
+	INSERT INTO orders (tenant_id, key, amount)
+	VALUES ((request->>'tenant')::bigint, request->>'key', (request->>'amount')::int)
+	RETURNING id INTO v_id;
+	RETURN ROW(201, '{"Location": "/orders"}'::jsonb, jsonb_build_object('order_id', v_id))::idem_response;
+END $$;
 
 -- FLOOR of replay: the stored response read by primary key, from a table
 -- with the records' columns, primary key (scope, key, tenant) and indexes,
@@ -310,6 +327,11 @@ cat >"$WORK/sql/create_floor_record.sql" <<'EOF'
 \set n random(1, 1000000000000000)
 SELECT create_order_floor_record(:tenant, 'g:client_id-:n', 42);
 EOF
+cat >"$WORK/sql/execute_ours.sql" <<'EOF'
+\set tenant random(1, :ntenants)
+\set n random(1, 1000000000000000)
+SELECT status FROM idem_citus.idem_execute(:tenant, 'e:client_id-:n', jsonb_build_object('tenant', :tenant, 'key', 'e:client_id-:n', 'amount', 42), 'order_handler(jsonb)');
+EOF
 cat >"$WORK/sql/replay_ours.sql" <<'EOF'
 \set n random(1, :nkeys)
 \set tenant :n % :ntenants + 1
@@ -323,7 +345,7 @@ EOF
 # pgbench sends :variables as parameters under the extended and prepared
 # protocols, which a quoted literal cannot hold: build the keys in SQL then.
 if [ "$PROTOCOL" != simple ]; then
-	sed -i -E "s/'([a-z]):client_id-:n'/'\\1' || :client_id || '-' || :n/; s/'r:n'/'r' || :n/" "$WORK"/sql/*.sql
+	sed -i -E "s/'([a-z]):client_id-:n'/'\\1' || :client_id || '-' || :n/g; s/'r:n'/'r' || :n/" "$WORK"/sql/*.sql
 fi
 chown -R postgres: "$WORK/sql"
 
@@ -566,6 +588,16 @@ if [ "$RECORD_FLOOR" = 1 ]; then
 	echo "   floor_records: $(sql -c "SELECT count(*) FROM floor_records WHERE key LIKE 'g%'") records," \
 		"orders: $(sql -c "SELECT count(*) FROM orders WHERE key LIKE 'g%'")"
 fi
+
+# ---------------------------------------------------------------- a2. execute
+# The same create as one call of idem_execute, against the same floor.
+compare execute execute_ours.sql create_floor.sql
+row execute
+profile_pair execute execute_ours.sql create_floor.sql
+recs=$(sql -c "SELECT count(*) FROM idempotency.records WHERE key LIKE 'e%' AND state = 'completed'")
+orders=$(sql -c "SELECT count(*) FROM orders WHERE key LIKE 'e%'")
+echo "   ours: $orders orders, $recs completed records; calls so far of order_handler: $(calls_of order_handler)"
+[ "$recs" = "$orders" ] || echo "   !! execute: orders and completed records differ" >&2
 
 # ---------------------------------------------------------------- b. replay
 # REPLAY_KEYS keys created through create_order itself, from the

@@ -15,7 +15,10 @@
 #     replication) and with writes blocked; the 40001 refusals of the switch
 #     are retried by pgbench (--max-tries).  Afterwards every order has
 #     exactly one record and every record one order, no key has two orders,
-#     and a transaction that failed for good left nothing behind.
+#     and a transaction that failed for good left nothing behind;
+#  C. a shard split between two tenants of one shard group, the halves on
+#     different workers: sessions with the map cached before the split see
+#     the new shards, records replay on their tenant's node.
 #
 # Skipped when Citus is not installed.
 use strict;
@@ -284,6 +287,63 @@ for my $t (@moved)
 {
 	is(coord(qq{SELECT count(DISTINCT port) FROM orders WHERE tenant_id = $t}), '2',
 		"B: the orders of tenant $t were written on both workers");
+}
+
+# ---- C. A shard split.
+# Two tenants of one shard group, with different hashes; the group is split
+# between them (writes blocked: an online split needs the "citus" logical
+# decoding plugin), the upper half placed on the other worker.  Sessions
+# that used the shard map before the split see the new shards: a direct
+# call on the old worker for the tenant that left is refused, one for the
+# tenant that stayed replays; from the coordinator both replay on their
+# node, and records and orders still match one to one.
+{
+	my ($lo, $hi, $group);
+	for my $g (sort keys %tenants_of)
+	{
+		my %by_hash = map { coord("SELECT worker_hash(${_}::bigint)") => $_ } @{ $tenants_of{$g} };
+		my @hashes = sort { $a <=> $b } keys %by_hash;
+		next if @hashes < 2;
+		($lo, $hi, $group) = ($by_hash{ $hashes[0] }, $by_hash{ $hashes[-1] }, $g);
+		last;
+	}
+	die 'no shard group with two tenants' unless defined $group;
+	my $from = holder($lo);
+	my $to = other($from);
+	is( coord("SELECT place_order($lo, 0)") . ' ' . coord("SELECT place_order($hi, 0)"),
+		'claimed ' . $from->port . ' claimed ' . $from->port,
+		"C: tenants $lo and $hi of one shard group each have an order on " . $from->name);
+	my $direct = $from->background_psql($db, on_error_stop => 0);
+	$direct->query_safe('\set VERBOSITY verbose');
+	is( $direct->query_safe(qq{
+			SELECT outcome FROM idem_claim('$lo', 'POST /orders:k0', '{"amount": 0}'::jsonb);
+			SELECT outcome FROM idem_claim('$hi', 'POST /orders:k0', '{"amount": 0}'::jsonb);}),
+		"replay\nreplay", 'C: a session on ' . $from->name . ' replays both, its shard map cached');
+
+	coord(sprintf(q{
+		SELECT citus_split_shard_by_split_points(%d, ARRAY[worker_hash(%d::bigint)::text],
+			ARRAY[(SELECT nodeid FROM pg_dist_node WHERE nodeport = %d),
+				  (SELECT nodeid FROM pg_dist_node WHERE nodeport = %d)], 'block_writes')},
+		$group, $lo, $from->port, $to->port));
+	is(holder($lo)->name . ' ' . holder($hi)->name, $from->name . ' ' . $to->name,
+		"C: split: tenant $lo stays on " . $from->name . ", tenant $hi is on " . $to->name);
+	is( $direct->query_safe(qq{SELECT outcome FROM idem_claim('$lo', 'POST /orders:k0', '{"amount": 0}'::jsonb)}),
+		'replay', 'C: the session on the old worker replays for the tenant that stayed');
+	$direct->{stderr} = '';
+	$direct->query(qq{SELECT outcome FROM idem_claim('$hi', 'POST /orders:k0', '{"amount": 0}'::jsonb)});
+	like($direct->{stderr}, qr/ERROR:  40001: the rows of "$hi" in idempotency\.records are not on this node/,
+		'C: and refuses the tenant that left');
+	$direct->{stderr} = '';
+	$direct->quit;
+	is( coord("SELECT place_order($lo, 0)") . ' ' . coord("SELECT place_order($hi, 0)"),
+		'replay ' . $from->port . ' replay ' . $to->port,
+		'C: from the coordinator each replays on its node');
+	is( coord(q{
+			SELECT count(*) FROM orders o
+			  FULL JOIN idempotency.records r ON r.tenant = o.tenant_id AND r.key = 'POST /orders:' || o.key
+			 WHERE o.key IS NULL OR r.key IS NULL}) . ' '
+		  . coord(q{SELECT count(*) FROM (SELECT tenant_id, key FROM orders GROUP BY 1, 2 HAVING count(*) > 1) d}),
+		'0 0', 'C: after the split, still one record per order and one order per key');
 }
 
 # The shells stayed empty.

@@ -29,7 +29,10 @@
 #  9. fencing across a shard move: a lease taken on one worker, the shard
 #     moved to the other, the lease expired: the takeover's token is greater
 #     than the old one (whose node's token sequence is far ahead) and the
-#     old token is fenced;
+#     old token is fenced; sessions that cached the shard map before the
+#     move follow it (a direct call on the old worker, in a transaction
+#     whose snapshot predates the move too, is refused and writes nothing
+#     into the old placement, whose drop is deferred);
 # 10. fencing after the key's record expired and was cleaned up on the node
 #     the shard moved to: a new operation of the key gets a token that the
 #     fenced owner of the first one never held;

@@ -1,0 +1,711 @@
+# The extension on a Citus cluster (a coordinator and two workers), used
+# from the coordinator as the README says, with the tenant table "orders"
+# distributed by tenant_id (bigint) and idem_citus_distribute('orders'):
+#
+#  1. create, replay and mismatch are delegated to the worker that holds the
+#     tenant's shard, in a client transaction of several statements, through
+#     a distributed PL/pgSQL function and through idem_execute: the record
+#     and the order are in that worker's shards, nowhere else, and the shell
+#     tables stay empty;
+#  2. ten concurrent duplicates (ten coordinator sessions) execute once: one
+#     order, nine replays; and a burst of ten pgbench clients with one key
+#     gives one order;
+#  3. a call that Citus does not delegate (a text scope, a call in a FROM
+#     list or a CTE, a call inside a coordinator-side PL/pgSQL function) is
+#     refused with 40001 and a hint about delegation, and executes nothing;
+#  4. kill -9 of the worker holding the tenant's shard after the claim and
+#     the domain INSERT, before COMMIT: after its restart there is neither
+#     the order nor the record, and the retry creates exactly one order;
+#  5. records and inbox marks with a short ttl are deleted from the shards
+#     by the workers' background cleanup; idem_cleanup() on the coordinator
+#     returns 0;
+#  6. idem_stuck on the coordinator lists a multi-phase operation whose
+#     lease expired, with the session's idempotency.stuck_after;
+#  7. the inbox is distributed: idem_inbox_accept answers true, then false;
+#  8. an event published inside a delegated call is delivered once by the
+#     relay of the worker that ran the call, to a function destination
+#     created on the coordinator and present on every worker; pause, resume
+#     and drop on the coordinator reach the workers;
+#  9. fencing across a shard move: a lease taken on one worker, the shard
+#     moved to the other, the lease expired: the takeover's token is greater
+#     than the old one (whose node's token sequence is far ahead) and the
+#     old token is fenced; sessions that cached the shard map before the
+#     move follow it (a direct call on the old worker, in a transaction
+#     whose snapshot predates the move too, is refused and writes nothing
+#     into the old placement, whose drop is deferred);
+# 10. fencing after the key's record expired and was cleaned up on the node
+#     the shard moved to: a new operation of the key gets a token that the
+#     fenced owner of the first one never held;
+# 11. an event published on the coordinator in a client transaction whose
+#     order and record are written on a worker commits with them or not at
+#     all, through a coordinator crash after the worker committed.
+#
+# Skipped when Citus is not installed.
+use strict;
+use warnings;
+
+use FindBin;
+use lib $FindBin::RealBin;
+
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+use CitusCluster;
+
+CitusCluster::skip_unless_citus();
+
+# Four shards keep the moves short.  Every node runs the cleanup worker and
+# relay of the database, a pass a second.  A duplicate waits up to a minute
+# for the transaction that holds its key (block 2 holds it on purpose).
+my $cluster = CitusCluster->new(workers => 2, conf => q{
+citus.shard_count = 4
+idempotency.databases = 'postgres'
+idempotency.cleanup_interval = '1s'
+idempotency.wait_timeout = '60s'
+});
+$cluster->create_idempotency;
+my $coord = $cluster->coordinator;
+my @workers = $cluster->workers;
+
+# SQL on a node, or on the coordinator.
+sub on { my ($node, $sql) = @_; return $cluster->safe_psql($node, $sql); }
+sub coord { return on($coord, $_[0]); }
+
+# The application: orders (no unique key, so a second execution shows as a
+# second row), distributed by tenant, and POST /orders as a PL/pgSQL
+# function distributed by its tenant and force-delegated.  It answers the
+# claim's outcome and the port of the node it ran on; it publishes an event
+# when asked to.
+coord(q{
+	CREATE TABLE orders (tenant_id bigint NOT NULL, key text NOT NULL, amount int NOT NULL,
+						 port int, created_at timestamptz NOT NULL DEFAULT clock_timestamp());
+	SELECT create_distributed_table('orders', 'tenant_id');
+	SELECT idem_citus_distribute('orders');
+
+	CREATE FUNCTION place_order(p_tenant bigint, p_key text, p_amount int, p_publish boolean DEFAULT false)
+	RETURNS text LANGUAGE plpgsql AS $$
+	DECLARE
+		c idem_claim_result;
+	BEGIN
+		c := idem_claim(p_tenant, 'POST /orders:' || p_key, jsonb_build_object('amount', p_amount));
+		IF c.outcome = 'claimed' THEN
+			INSERT INTO orders (tenant_id, key, amount, port)
+			VALUES (p_tenant, p_key, p_amount, current_setting('port')::int);
+			IF p_publish THEN
+				PERFORM idem_publish('order.created', jsonb_build_object('tenant', p_tenant, 'key', p_key),
+									 'order-' || p_tenant || '-' || p_key);
+			END IF;
+			PERFORM idem_succeed(p_tenant, 'POST /orders:' || p_key, 201, jsonb_build_object('order', p_key));
+		END IF;
+		RETURN c.outcome || ' ' || current_setting('port');
+	END $$;
+	SELECT create_distributed_function('place_order(bigint,text,int,boolean)', '$1',
+									   colocate_with => 'orders', force_delegation => true);
+
+	-- An idem_execute handler (PL/pgSQL: Citus refuses LANGUAGE sql ones there).
+	CREATE FUNCTION order_handler(request jsonb) RETURNS idem_response LANGUAGE plpgsql AS $$
+	BEGIN
+		INSERT INTO orders (tenant_id, key, amount, port)
+		VALUES ((request->>'tenant')::bigint, request->>'key', (request->>'amount')::int,
+				current_setting('port')::int);
+		RETURN ROW(201, NULL, jsonb_build_object('order', request->>'key'))::idem_response;
+	END $$;
+});
+
+# The node that holds the placement of $table's shard for tenant $t.
+sub holder
+{
+	my ($t, $table) = @_;
+	$table //= 'idempotency.records';
+	my $port = coord(qq{
+		SELECT n.nodeport FROM pg_dist_placement p JOIN pg_dist_node n USING (groupid)
+		 WHERE p.shardid = get_shard_id_for_distribution_column('$table', $t)});
+	return $cluster->node_by_port($port);
+}
+
+# The other worker.
+sub other { my ($node) = @_; my ($o) = grep { $_ != $node } @workers; return $o; }
+
+# Where the rows of $table for tenant $t that match $cond are: for each node,
+# its name and the count in its shard of the tenant, or "-" where that shard
+# does not exist.  E.g. "coordinator:- worker1:1 worker2:-".
+sub where_rows
+{
+	my ($table, $t, $cond) = @_;
+	my $column = $table eq 'orders' ? 'tenant_id' : 'tenant';
+	my $shard = $table . '_' . coord("SELECT get_shard_id_for_distribution_column('$table', $t)");
+	return join ' ', map {
+		my $n = on($_, "SELECT to_regclass('$shard') IS NOT NULL");
+		$_->name . ':' . ($n eq 't'
+			? on($_, "SELECT count(*) FROM $shard WHERE $column = $t AND ($cond)")
+			: '-')
+	} $cluster->nodes;
+}
+
+# What where_rows says when $count rows are on $node and the shard is
+# nowhere else.
+sub only_on
+{
+	my ($node, $count) = @_;
+	return join ' ', map { $_->name . ':' . ($_ == $node ? $count : '-') } $cluster->nodes;
+}
+
+# A tenant whose shard is on each worker.
+my %tenant_on;
+for my $t (1 .. 100)
+{
+	my $h = holder($t, 'orders');
+	$tenant_on{ $h->name } //= $t;
+	last if keys %tenant_on == 2;
+}
+my ($A, $B) = map { $tenant_on{ $_->name } } @workers;
+my ($hold_a, $hold_b) = ($workers[0], $workers[1]);
+die 'no tenant on each worker' unless defined $A && defined $B;
+is(holder($A)->name . ' ' . holder($B)->name, 'worker1 worker2',
+	"the records of tenant $A are colocated with its orders on worker1, those of tenant $B on worker2");
+
+# An error as psql prints it with VERBOSITY verbose (SQLSTATE, detail, hint).
+sub coord_error
+{
+	my ($sql) = @_;
+	my ($out, $err) = ('', '');
+	$coord->psql($cluster->dbname, "\\set VERBOSITY verbose\n$sql",
+		stdout => \$out, stderr => \$err, on_error_stop => 1);
+	return $err;
+}
+
+# A query on a background session that must fail: its error (VERBOSITY
+# verbose, set when the session starts), or '' if it did not fail.
+sub session_error
+{
+	my ($session, $sql) = @_;
+	$session->{stderr} = '';
+	my (undef, $failed) = $session->query($sql);
+	my $err = $session->{stderr};
+	$session->{stderr} = '';
+	return $failed ? $err : '';
+}
+
+# kill -9 of a whole node, as with a power cut: the postmaster and every
+# child at once; then wait until they are all gone and start it again
+# (crash recovery runs at start).
+sub kill9_node
+{
+	my ($node) = @_;
+	my $postmaster = $node->{_pid};
+	my @children = grep {
+		my $fh;
+		my $stat = open($fh, '<', "/proc/$_/stat") ? <$fh> : '';
+		$stat =~ /\)\s+\S+\s+(\d+)/ && $1 == $postmaster
+	} map { m{/proc/(\d+)$} ? $1 : () } glob('/proc/[0-9]*');
+	$node->kill9;
+	kill 'KILL', @children;
+	for my $pid ($postmaster, @children)
+	{
+		my $tries = 0;
+		while (kill(0, $pid) && $tries++ < 10 * $PostgreSQL::Test::Utils::timeout_default)
+		{
+			select(undef, undef, undef, 0.1);
+		}
+	}
+	$node->start;
+}
+
+# Wait until $sql, run on $node with psql -q (so that a SET before the
+# query prints nothing), answers "t".
+sub poll_true
+{
+	my ($node, $sql) = @_;
+	for (1 .. 10 * $PostgreSQL::Test::Utils::timeout_default)
+	{
+		return 1 if on($node, $sql) eq 't';
+		select(undef, undef, undef, 0.1);
+	}
+	diag("timed out waiting for: $sql");
+	return 0;
+}
+
+# A query sent on a background session, whose answer is read later.
+sub start_query
+{
+	my ($session, $sql) = @_;
+	$session->query_until(qr/started\n/, "\\echo started\n$sql;\n");
+}
+
+sub finish_query
+{
+	my ($session) = @_;
+	my $out = $session->query_until(qr/finished\n/, "\\echo finished\n");
+	$out =~ s/finished\n\z//;
+	chomp $out;
+	return $out;
+}
+
+# ---- 1. Delegated create, replay and mismatch.
+# A client transaction of several statements on the coordinator: the claim,
+# the domain INSERT and the stored response commit together on tenant A's
+# worker.
+is( coord(qq{
+		BEGIN;
+		SELECT outcome FROM idem_claim($A, 'POST /orders:c1', '{"amount": 10}');
+		INSERT INTO orders (tenant_id, key, amount) VALUES ($A, 'c1', 10);
+		SELECT idem_succeed($A, 'POST /orders:c1', 201, '{"order": "c1"}');
+		COMMIT;}),
+	"claimed\n", '1: a client transaction on the coordinator claims the key');
+is( coord(qq{
+		SELECT outcome || ' ' || status || ' ' || body FROM idem_claim($A, 'POST /orders:c1', '{"amount": 10}');
+		SELECT outcome || ' ' || coalesce(status::text, '-') FROM idem_claim($A, 'POST /orders:c1', '{"amount": 11}');
+		SELECT state || ' ' || status FROM idem_replay($A, 'POST /orders:c1');}),
+	qq{replay 201 {"order": "c1"}\nmismatch -\ncompleted 201},
+	'1: the same request replays the stored response, another one is a mismatch');
+is( where_rows('idempotency.records', $A, q{key = 'POST /orders:c1' AND state = 'completed'})
+	  . ' / ' . where_rows('orders', $A, q{key = 'c1'}),
+	only_on($hold_a, 1) . ' / ' . only_on($hold_a, 1),
+	'1: the record and the order are in the shards of tenant A on its worker, nowhere else');
+
+# The same through the distributed function, for tenant B on the other
+# worker, alone and twice in one transaction block.
+is( coord(qq{
+		SELECT place_order($B, 'f1', 20);
+		SELECT place_order($B, 'f1', 20);
+		SELECT place_order($B, 'f1', 21);
+		BEGIN;
+		SELECT place_order($B, 'f2', 20);
+		SELECT place_order($B, 'f2', 20);
+		COMMIT;}),
+	join("\n", map { "$_ " . $hold_b->port } qw(claimed replay mismatch claimed replay)),
+	'1: the distributed function runs on the worker of tenant B: created, replayed, mismatch, in a transaction block too');
+is( where_rows('idempotency.records', $B, q{key IN ('POST /orders:f1', 'POST /orders:f2')})
+	  . ' / ' . where_rows('orders', $B, q{key IN ('f1', 'f2')}),
+	only_on($hold_b, 2) . ' / ' . only_on($hold_b, 2),
+	'1: its records and orders are on that worker only, one each');
+
+# idem_execute with a PL/pgSQL handler, delegated too.
+is( coord(qq{
+		SELECT status || ' ' || body || ' ' || replayed FROM idem_execute($A, 'POST /orders:x1',
+			'{"tenant": $A, "key": "x1", "amount": 3}', 'order_handler(jsonb)');
+		SELECT status || ' ' || body || ' ' || replayed FROM idem_execute($A, 'POST /orders:x1',
+			'{"tenant": $A, "key": "x1", "amount": 3}', 'order_handler(jsonb)');
+		SELECT string_agg(port::text, ',') FROM orders WHERE key = 'x1';}),
+	qq{201 {"order": "x1"} false\n201 {"order": "x1"} true\n} . $hold_a->port,
+	'1: idem_execute runs its handler once, on tenant A\'s worker, and replays');
+
+# ---- 2. Ten concurrent duplicates execute once.
+# The first session holds the key in an open transaction; nine more send
+# the same request and wait for it on the worker; the first commits.
+{
+	my @sessions = map { $coord->background_psql($cluster->dbname, on_error_stop => 0) } 1 .. 10;
+	$sessions[0]->query_safe('BEGIN');
+	my $first = $sessions[0]->query_safe("SELECT place_order($A, 'dup', 30)");
+	start_query($_, "SELECT place_order($A, 'dup', 30)") for @sessions[ 1 .. 9 ];
+	ok( $hold_a->poll_query_until($cluster->dbname, q{
+			SELECT count(*) = 9 FROM pg_locks
+			 WHERE locktype = 'advisory' AND objsubid = 7648 AND NOT granted}),
+		'2: nine duplicates wait on tenant A\'s worker for the key the first one holds');
+	$sessions[0]->query_safe('COMMIT');
+	my @answers = map { finish_query($_) } @sessions[ 1 .. 9 ];
+	$_->quit for @sessions;
+	is_deeply([ $first, @answers ], [ 'claimed ' . $hold_a->port, ('replay ' . $hold_a->port) x 9 ],
+		'2: the first executes, the nine others replay');
+	is( coord(q{SELECT count(*) FROM orders WHERE key = 'dup'}) . ' '
+		  . coord(qq{SELECT count(*) FROM idempotency.records WHERE scope = '$A' AND key = 'POST /orders:dup'}),
+		'1 1', '2: one order, one record');
+}
+
+# Ten pgbench clients send one request each with the same key at once.
+{
+	my $script = PostgreSQL::Test::Utils::tempdir() . '/dup.sql';
+	PostgreSQL::Test::Utils::append_to_file($script, "SELECT place_order($B, 'burst', 40);\n");
+	$coord->command_ok(
+		[ 'pgbench', '-n', '-c', '10', '-j', '10', '-t', '1', '-f', $script,
+		  '-h', $coord->host, '-p', $coord->port, $cluster->dbname ],
+		'2: ten pgbench clients send the same request at once, all succeed');
+	is( coord(q{SELECT count(*) FROM orders WHERE key = 'burst'}) . ' '
+		  . coord(qq{SELECT count(*) FROM idempotency.records WHERE scope = '$B' AND key = 'POST /orders:burst'}),
+		'1 1', '2: one order, one record');
+}
+
+# ---- 3. A call Citus does not delegate is refused and executes nothing.
+# A text scope (no overload delegated for it), the call in a FROM list
+# next to another function, in a CTE, and inside a PL/pgSQL function of the
+# coordinator (a "simple expression" Citus never delegates in a
+# transaction): each time 40001 with a hint about delegation.
+coord(q{
+	CREATE FUNCTION app_order(p_tenant bigint, p_key text) RETURNS text LANGUAGE plpgsql AS $$
+	DECLARE
+		c idem_claim_result;
+	BEGIN
+		c := idem_claim(p_tenant, 'POST /orders:' || p_key, '{"amount": 1}'::jsonb);
+		INSERT INTO orders (tenant_id, key, amount) VALUES (p_tenant, p_key, 1);
+		PERFORM idem_succeed(p_tenant, 'POST /orders:' || p_key, 201);
+		RETURN c.outcome;
+	END $$;
+});
+my %undelegated = (
+	n1 => qq{BEGIN; INSERT INTO orders (tenant_id, key, amount) VALUES ($A, 'n1', 1);
+			 SELECT outcome FROM idem_claim('$A', 'POST /orders:n1', '{"amount": 1}');
+			 SELECT idem_succeed('$A', 'POST /orders:n1', 201); COMMIT;},
+	n2 => qq{BEGIN; INSERT INTO orders (tenant_id, key, amount) VALUES ($A, 'n2', 1);
+			 SELECT idem_claim($A, 'POST /orders:n2', '{"amount": 1}'::jsonb) FROM generate_series(1, 1);
+			 SELECT idem_succeed($A, 'POST /orders:n2', 201); COMMIT;},
+	n3 => qq{WITH c AS (SELECT * FROM idem_claim($A, 'POST /orders:n3', '{"amount": 1}'))
+			 SELECT outcome FROM c;},
+	n4 => qq{SELECT app_order($A, 'n4');},
+	n5 => qq{BEGIN; SELECT app_order($A, 'n5'); COMMIT;},
+	n6 => qq{SELECT idem_inbox_accept('$A', 'n6');},
+);
+for my $key (sort keys %undelegated)
+{
+	my $err = coord_error($undelegated{$key});
+	like($err, qr/ERROR:  40001: the rows of "$A" in idempotency\.(records|inbox) are not on this node/,
+		"3: $key is refused with 40001");
+	like($err, qr/HINT:  .*delegates/, "3: $key: the hint says how to have the call delegated");
+}
+is( where_rows('idempotency.records', $A, q{key IN ('POST /orders:n1', 'POST /orders:n2', 'POST /orders:n3',
+												'POST /orders:n4', 'POST /orders:n5')})
+	  . ' / ' . where_rows('orders', $A, q{key IN ('n1', 'n2', 'n3', 'n4', 'n5')})
+	  . ' / ' . where_rows('idempotency.inbox', $A, q{message_id = 'n6'}),
+	only_on($hold_a, 0) . ' / ' . only_on($hold_a, 0) . ' / ' . only_on($hold_a, 0),
+	'3: the refused calls left no record, no order, no inbox mark');
+
+# ---- 4. kill -9 of the tenant's worker in the middle of a client transaction.
+{
+	my $session = $coord->background_psql($cluster->dbname, on_error_stop => 0);
+	$session->query_safe('BEGIN');
+	is( $session->query_safe(qq{SELECT outcome FROM idem_claim($A, 'POST /orders:k9', '{"amount": 9}')}),
+		'claimed', '4: the claim of k9 in an open client transaction');
+	$session->query_safe(qq{INSERT INTO orders (tenant_id, key, amount) VALUES ($A, 'k9', 9)});
+	is( on($hold_a, q{
+			SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+			 WHERE l.locktype = 'advisory' AND l.objsubid = 7648 AND l.granted
+			   AND a.state = 'idle in transaction'}),
+		'1', '4: on the worker, a transaction holds the key, idle before COMMIT');
+
+	# The whole node dies at once.
+	kill9_node($hold_a);
+
+	like(session_error($session, 'COMMIT'), qr/ERROR:  could not commit transaction/,
+		'4: the client\'s COMMIT fails');
+	$session->quit;
+	is( where_rows('idempotency.records', $A, q{key = 'POST /orders:k9'})
+		  . ' / ' . where_rows('orders', $A, q{key = 'k9'}),
+		only_on($hold_a, 0) . ' / ' . only_on($hold_a, 0),
+		'4: after the restart there is neither the record nor the order');
+	is( coord(qq{
+			BEGIN;
+			SELECT outcome FROM idem_claim($A, 'POST /orders:k9', '{"amount": 9}');
+			INSERT INTO orders (tenant_id, key, amount) VALUES ($A, 'k9', 9);
+			SELECT idem_succeed($A, 'POST /orders:k9', 201, '{"order": "k9"}');
+			COMMIT;
+			SELECT outcome FROM idem_claim($A, 'POST /orders:k9', '{"amount": 9}');}),
+		"claimed\n\nreplay", '4: the retry executes, its own retry replays');
+	is(where_rows('orders', $A, q{key = 'k9'}), only_on($hold_a, 1), '4: exactly one order');
+}
+
+# ---- 5. The workers' cleanup deletes expired rows from the shards.
+# Three records and two inbox marks per tenant live one second; the
+# workers' counters of deleted rows must grow by exactly five each.
+{
+	my %deleted_before = map { $_->name => on($_, 'SELECT rows_deleted FROM idem_stats') } @workers;
+	for my $t ($A, $B)
+	{
+		coord(join '', map { qq{
+			BEGIN;
+			SELECT outcome FROM idem_claim($t, 'POST /orders:ttl$_', '{}', ttl => '1 second');
+			SELECT idem_succeed($t, 'POST /orders:ttl$_', 200);
+			COMMIT;} } 1 .. 3);
+		coord(qq{SELECT idem_inbox_accept($t, 'ttl-m$_', ttl => '1 second')}) for 1 .. 2;
+	}
+	for my $t ($A, $B)
+	{
+		my $node = holder($t);
+		my $shard = 'idempotency.records_' . coord("SELECT get_shard_id_for_distribution_column('idempotency.records', $t)");
+		my $inbox = 'idempotency.inbox_' . coord("SELECT get_shard_id_for_distribution_column('idempotency.inbox', $t)");
+		ok( $node->poll_query_until($cluster->dbname, qq{
+				SELECT (SELECT count(*) FROM $shard WHERE key LIKE 'POST /orders:ttl%')
+					 + (SELECT count(*) FROM $inbox WHERE message_id LIKE 'ttl-m%') = 0}),
+			"5: the expired records and marks of tenant $t are gone from its shards on " . $node->name);
+	}
+	is_deeply({ map { $_->name => on($_, 'SELECT rows_deleted FROM idem_stats') - $deleted_before{ $_->name } } @workers },
+		{ map { $_->name => 5 } @workers },
+		'5: each worker\'s cleanup deleted exactly its five expired rows');
+	is( where_rows('idempotency.records', $A, q{key = 'POST /orders:c1'}), only_on($hold_a, 1),
+		'5: a live record is left alone');
+	is(coord('SELECT idem_cleanup()'), '0', '5: idem_cleanup() on the coordinator deletes nothing and fails not');
+}
+
+# ---- 6. idem_stuck from the coordinator.
+# A multi-phase operation whose owner never came back: listed once its
+# lease expired more than the session's idempotency.stuck_after ago (0),
+# not with the default (5 minutes).
+{
+	my $token = coord(qq{SELECT token FROM idem_claim($B, 'POST /pay:stuck', '{}', lease => '1 second')});
+	ok( poll_true($coord, qq{
+			SET idempotency.stuck_after = 0;
+			SELECT count(*) = 1 FROM idem_stuck WHERE scope = '$B' AND key = 'POST /pay:stuck'}),
+		'6: idem_stuck lists the operation once its lease expired, with stuck_after = 0');
+	is( coord(q{
+			SET idempotency.stuck_after = 0;
+			SELECT scope || ' ' || key || ' ' || token || ' ' || (lease_expired_for > '0'::interval)
+			  FROM idem_stuck ORDER BY scope, key;
+			RESET idempotency.stuck_after;
+			SELECT count(*) FROM idem_stuck;}),
+		"$B POST /pay:stuck $token true\n0",
+		'6: with its scope, key and token; and not with the default stuck_after');
+}
+
+# ---- 7. The inbox is distributed.
+is( coord(qq{
+		SELECT idem_inbox_accept($A, 'm1');
+		SELECT idem_inbox_accept($A, 'm1');
+		BEGIN;
+		SELECT idem_inbox_accept($B, 'm1');
+		SELECT idem_inbox_accept($B, 'm1');
+		COMMIT;
+		SELECT idem_inbox_accept($B, 'm1');}),
+	"t\nf\nt\nf\nf", '7: idem_inbox_accept answers true, then false, per tenant, in a transaction block too');
+is( where_rows('idempotency.inbox', $A, q{message_id = 'm1'}) . ' / '
+	  . where_rows('idempotency.inbox', $B, q{message_id = 'm1'}),
+	only_on($hold_a, 1) . ' / ' . only_on($hold_b, 1),
+	'7: each mark is in its tenant\'s inbox shard only');
+
+# ---- 8. The outbox: events relayed by the worker that published them.
+# The destination function writes a table of each node's own (created with
+# DDL propagation off): the relay's call and its mark "delivered" commit in
+# one local transaction of that node, which is what makes a function
+# destination exactly once.  A reference table would turn every delivery
+# into a distributed write from a background worker.
+for my $node ($cluster->nodes)
+{
+	on($node, q{
+		SET citus.enable_ddl_propagation = off;
+		CREATE TABLE received (event_id uuid, topic text, payload jsonb, port int)});
+}
+coord(q{
+	CREATE FUNCTION fdest(event jsonb) RETURNS void LANGUAGE plpgsql AS $$
+	BEGIN
+		INSERT INTO received VALUES ((event->>'id')::uuid, event->>'topic', event->'payload',
+									 current_setting('port')::int);
+	END $$;
+	SELECT idem_destination_create('ledger', 'function', 'fdest(jsonb)', '{order.*}');
+});
+is_deeply([ map { on($_, q{SELECT name || ' ' || kind || ' ' || target || ' ' || paused FROM idem_destinations}) } @workers ],
+	[ ('ledger function public.fdest(pg_catalog.jsonb) false') x 2 ],
+	'8: the destination created on the coordinator is on every worker');
+
+{
+	is( coord(qq{SELECT place_order($A, 'e1', 50, true)}) . ' ' . coord(qq{SELECT place_order($B, 'e1', 50, true)}),
+		'claimed ' . $hold_a->port . ' claimed ' . $hold_b->port,
+		'8: two orders that publish an event, one on each worker');
+	for my $node ($hold_a, $hold_b)
+	{
+		ok( $node->poll_query_until($cluster->dbname, q{
+				SELECT count(*) = 1 FROM idempotency.deliveries WHERE state = 'delivered'}),
+			'8: the event published on ' . $node->name . ' is delivered by its relay');
+	}
+	is_deeply([ map { on($_, q{SELECT coalesce(string_agg(topic || ' ' || (payload->>'key') || ' ' || port, ','), '') FROM received}) } $cluster->nodes ],
+		[ '', 'order.created e1 ' . $hold_a->port, 'order.created e1 ' . $hold_b->port ],
+		'8: each event reached the destination once, on the node that published it');
+	is( join(' ', map { on($_, q{SELECT count(*) FROM idempotency.outbox}) } $cluster->nodes),
+		'0 1 1', '8: the events are in the outboxes of the workers, none on the coordinator');
+}
+
+# Pause on the coordinator: paused on every worker, nothing delivered; resume:
+# delivered once; drop: gone everywhere.
+{
+	coord(q{SELECT idem_destination_pause('ledger')});
+	is_deeply([ map { on($_, q{SELECT paused FROM idem_destinations WHERE name = 'ledger'}) } @workers ],
+		[ 't', 't' ], '8: a pause on the coordinator reaches every worker');
+	coord(qq{SELECT place_order($A, 'e2', 51, true)});
+	is( on($hold_a, 'SELECT idem_outbox_relay()') . ' '
+		  . on($hold_a, q{SELECT count(*) FROM received WHERE payload->>'key' = 'e2'}),
+		'0 0', '8: while paused, the worker\'s relay attempts nothing');
+	coord(q{SELECT idem_destination_resume('ledger')});
+	ok( $hold_a->poll_query_until($cluster->dbname, q{
+			SELECT count(*) = 2 FROM idempotency.deliveries WHERE state = 'delivered'}),
+		'8: resumed on the coordinator, the worker delivers it');
+	is(on($hold_a, q{SELECT count(*) FROM received WHERE payload->>'key' = 'e2'}), '1',
+		'8: once');
+	coord(q{SELECT idem_destination_drop('ledger')});
+	is_deeply([ map { on($_, q{SELECT count(*) FROM idem_destinations}) } $cluster->nodes ],
+		[ '0', '0', '0' ], '8: a drop on the coordinator reaches every worker');
+}
+
+# Move the shard of tenant $t (and the colocated ones) from $from to $to.
+# The old placements are dropped later, by citus_cleanup_orphaned_resources
+# (Citus defers that otherwise).
+sub move_shard
+{
+	my ($t, $from, $to, $mode) = @_;
+	coord(sprintf(q{
+		SELECT citus_move_shard_placement(get_shard_id_for_distribution_column('orders', %s),
+			'%s', %d, '%s', %d, shard_transfer_mode => '%s')},
+		$t, $from->host, $from->port, $to->host, $to->port, $mode));
+}
+
+# ---- 9. Fencing tokens after a shard move.
+# Tenant A's worker has handed out many tokens (its sequence is far ahead of
+# the other worker's).  A lease is taken there and a phase checkpointed;
+# the shard moves to the other worker; once the lease has expired, the
+# retry there takes over with a greater token than the old owner's, which
+# is fenced.  Sessions that used the shard map before the move see the new
+# placement after it: a direct call on the old worker (also in a
+# transaction whose snapshot predates the move) is refused and does not
+# write the old placement, which still exists until its deferred drop; a
+# coordinator session whose connection to the new worker was opened before
+# the move has its call for tenant A run there.
+{
+	on($hold_a, q{SELECT setval('idempotency.tokens', 1000000000000)});
+	my ($outcome, $old) = split ' ', coord(qq{
+		SELECT outcome || ' ' || token FROM idem_claim($A, 'POST /pay:fence', '{"amount": 5}', lease => '1 second')});
+	is($outcome, 'claimed', "9: a lease on tenant A's worker, token $old");
+	coord(qq{SELECT idem_checkpoint($A, 'POST /pay:fence', $old, 'phase1')});
+
+	my $direct = $hold_a->background_psql($cluster->dbname, on_error_stop => 0);
+	my $rr = $hold_a->background_psql($cluster->dbname, on_error_stop => 0);
+	my $client = $coord->background_psql($cluster->dbname, on_error_stop => 0);
+	$_->query_safe('\set VERBOSITY verbose') for $direct, $rr, $client;
+	is( $direct->query_safe(qq{SELECT idem_inbox_accept('$A', 'pre-move')}) . ' '
+		  . $client->query_safe(qq{SELECT place_order($B, 'pre-move', 1)}),
+		't claimed ' . $hold_b->port,
+		'9: before the move, a session on the old worker and a coordinator session that reached the new one');
+	$rr->query_safe('BEGIN ISOLATION LEVEL REPEATABLE READ');
+	$rr->query_safe('SELECT count(*) FROM pg_class');
+	my $inbox_shard = 'idempotency.inbox_'
+	  . coord("SELECT get_shard_id_for_distribution_column('idempotency.inbox', $A)");
+
+	move_shard($A, $hold_a, $hold_b, 'force_logical');
+	is(holder($A)->name, $hold_b->name, '9: the shard of tenant A moved to the other worker');
+	is(on($hold_a, "SELECT count(*) FROM $inbox_shard WHERE message_id = 'pre-move'"), '1',
+		'9: the old placement is still on the old worker, its drop deferred');
+	like(session_error($direct, qq{SELECT idem_inbox_accept('$A', 'post-move')}),
+		qr/ERROR:  40001: the rows of "$A" in idempotency\.inbox are not on this node/,
+		'9: a direct call on the old worker after the move is refused');
+	like(session_error($rr, qq{SELECT idem_inbox_accept('$A', 'rr-move')}),
+		qr/ERROR:  40001: the rows of "$A" in idempotency\.inbox are not on this node/,
+		'9: in a transaction whose snapshot predates the move too');
+	is(on($hold_a, "SELECT count(*) FROM $inbox_shard WHERE message_id IN ('post-move', 'rr-move')"), '0',
+		'9: the old placement got no write');
+	is($client->query_safe(qq{SELECT place_order($A, 'post-move', 1)}), 'claimed ' . $hold_b->port,
+		'9: the coordinator session\'s call for tenant A runs on the new worker');
+	$_->quit for $direct, $rr, $client;
+	coord('CALL citus_cleanup_orphaned_resources()');
+
+	is( where_rows('idempotency.records', $A,
+			qq{key = 'POST /pay:fence' AND state = 'processing' AND token = $old AND recovery_point = 'phase1'})
+		  . ' / ' . coord(qq{SELECT outcome FROM idem_claim($A, 'POST /orders:c1', '{"amount": 10}')}),
+		only_on($hold_b, 1) . ' / replay',
+		'9: the records moved with the shard: the lease with its token and recovery point, a completed one replays');
+	ok( $coord->poll_query_until($cluster->dbname, qq{
+			SELECT lease_expires_at < now() FROM idempotency.records
+			 WHERE scope = '$A' AND key = 'POST /pay:fence'}),
+		'9: the lease expired');
+	my ($again, $new, $point) = split ' ', coord(qq{
+		SELECT outcome || ' ' || token || ' ' || recovery_point
+		  FROM idem_claim($A, 'POST /pay:fence', '{"amount": 5}', lease => '1 minute')});
+	is("$again $point", 'claimed phase1', '9: the retry takes over from phase1');
+	cmp_ok($new, '>', $old, '9: the takeover\'s token is greater than the old owner\'s');
+	like(coord_error(qq{SELECT idem_checkpoint($A, 'POST /pay:fence', $old, 'phase2')}),
+		qr/ERROR:  IK001/, '9: the old owner is fenced');
+	is( coord(qq{
+			SELECT idem_succeed($A, 'POST /pay:fence', 201, '{"paid": true}', token => $new);
+			SELECT outcome || ' ' || status FROM idem_claim($A, 'POST /pay:fence', '{"amount": 5}');}),
+		"\nreplay 201", '9: the new owner completes it');
+}
+
+# ---- 10. Fencing after the record expired and was deleted on the new node.
+# On a new cluster every node's token sequence starts at the same value;
+# here the other worker's is set to where tenant B's worker's is.  Tenant
+# B's worker hands out a token; its owner is fenced by a takeover that
+# completes; the shard moves to the other worker, where the record expires
+# and that worker's cleanup deletes it (cleanup of a shard that moved in);
+# the key is used again for a new operation.  Its token must be one the
+# fenced owner never held (README: a token is never valid twice for a key).
+{
+	my $other = other($hold_b);
+	my $next = on($hold_b, q{SELECT last_value + 1 FROM idempotency.tokens});
+	on($other, qq{SELECT setval('idempotency.tokens', $next - 1)});
+	my $zombie = coord(qq{SELECT token FROM idem_claim($B, 'POST /pay:again', '{}', ttl => '1 second', lease => '1 second')});
+	ok( $coord->poll_query_until($cluster->dbname, qq{
+			SELECT lease_expires_at < now() FROM idempotency.records
+			 WHERE scope = '$B' AND key = 'POST /pay:again'}),
+		'10: the first owner\'s lease expired');
+	my $taker = coord(qq{SELECT token FROM idem_claim($B, 'POST /pay:again', '{}', ttl => '1 second', lease => '1 minute')});
+	coord(qq{SELECT idem_succeed($B, 'POST /pay:again', 201, token => $taker)});
+	like(coord_error(qq{SELECT idem_checkpoint($B, 'POST /pay:again', $zombie, 'late')}),
+		qr/ERROR:  IK001/, "10: the first owner (token $zombie) is fenced by the takeover (token $taker)");
+	move_shard($B, $hold_b, $other, 'block_writes');
+	coord('CALL citus_cleanup_orphaned_resources()');
+	my $shard = 'idempotency.records_' . coord("SELECT get_shard_id_for_distribution_column('idempotency.records', $B)");
+	is(holder($B)->name, $other->name, '10: the shard of tenant B moved');
+	ok( $other->poll_query_until($cluster->dbname, qq{
+			SELECT count(*) = 0 FROM $shard WHERE key = 'POST /pay:again'}),
+		'10: the completed record expired, and the cleanup of the node it moved to deleted it');
+	my $fresh = coord(qq{SELECT token FROM idem_claim($B, 'POST /pay:again', '{}', lease => '1 minute')});
+	isnt($fresh, $zombie, "10: the new operation's token ($fresh) is not the fenced owner's");
+	like(coord_error(qq{SELECT idem_checkpoint($B, 'POST /pay:again', $zombie, 'late')}),
+		qr/ERROR:  IK001/, '10: the fenced owner cannot checkpoint the new operation');
+}
+
+# ---- 11. An event published on the coordinator next to a delegated write.
+# A client transaction of several statements on the coordinator claims,
+# writes the order (on tenant A's worker), publishes the order's event
+# (idem_publish is not a distributed function: on the coordinator, into the
+# coordinator's outbox) and stores the response.  Citus commits the single
+# worker with one-phase COMMIT before the coordinator commits.  The
+# coordinator is frozen in that window, then killed: its commit waits for
+# the lock of the NOTIFY queue (the application also notifies), which a
+# session holds while its own commit waits for a synchronous standby that
+# never comes.  The event must commit with the order and its record, or
+# none of them may.
+{
+	my $holder = holder($A);
+	coord(q{ALTER SYSTEM SET synchronous_standby_names = 'nobody'});
+	coord(q{ALTER SYSTEM SET synchronous_commit = 'local'});
+	coord('SELECT pg_reload_conf()');
+	ok(poll_true($coord, q{SELECT current_setting('synchronous_standby_names') = 'nobody'}),
+		'11: the coordinator waits for a standby that never comes, where asked');
+	my $gate = $coord->background_psql($cluster->dbname, on_error_stop => 0);
+	$gate->query_safe('SET synchronous_commit = on');
+	$gate->query_safe('BEGIN');
+	$gate->query_safe(q{SELECT pg_notify('gate', '')});
+	$gate->query_until(qr/committing\n/, "\\echo committing\nCOMMIT;\n");
+	ok( $coord->poll_query_until($cluster->dbname, q{
+			SELECT count(*) = 1 FROM pg_stat_activity WHERE wait_event = 'SyncRep'}),
+		'11: a session holds the NOTIFY queue\'s lock, its commit waiting');
+
+	my $app = $coord->background_psql($cluster->dbname, on_error_stop => 0);
+	$app->query_safe('BEGIN');
+	is( $app->query_safe(qq{SELECT outcome FROM idem_claim($A, 'POST /orders:ob1', '{"amount": 70}')}),
+		'claimed', '11: the client transaction claims the key');
+	$app->query_safe(qq{INSERT INTO orders (tenant_id, key, amount) VALUES ($A, 'ob1', 70)});
+	$app->query_safe(q{SELECT idem_publish('order.created', '{"key": "ob1"}', 'order-ob1')});
+	$app->query_safe(q{SELECT pg_notify('app', 'ob1')});
+	$app->query_safe(qq{SELECT idem_succeed($A, 'POST /orders:ob1', 201, '{"order": "ob1"}')});
+	start_query($app, 'COMMIT');
+	ok( $coord->poll_query_until($cluster->dbname, q{
+			SELECT count(*) = 1 FROM pg_stat_activity
+			 WHERE query = 'COMMIT;' AND wait_event_type = 'Lock' AND wait_event = 'object'}),
+		'11: its COMMIT waits for the NOTIFY queue, on the coordinator');
+	is( on($holder, q{SELECT count(*) FROM orders WHERE key = 'ob1'}), '1',
+		'11: by then tenant A\'s worker has committed its part (one-phase commit)');
+
+	$_->{run}->kill_kill for $gate, $app;
+	kill9_node($coord);
+	coord(q{ALTER SYSTEM RESET synchronous_standby_names});
+	coord(q{ALTER SYSTEM RESET synchronous_commit});
+	coord('SELECT pg_reload_conf()');
+	my $state = join ' ',
+	  coord(q{SELECT count(*) FROM orders WHERE key = 'ob1'}),
+	  coord(qq{SELECT count(*) FROM idem_replay($A, 'POST /orders:ob1')}),
+	  coord(q{SELECT count(*) FROM idempotency.outbox WHERE payload->>'key' = 'ob1'})
+	  + on($holder, q{SELECT count(*) FROM idempotency.outbox WHERE payload->>'key' = 'ob1'});
+	ok($state eq '1 1 1' || $state eq '0 0 0',
+		"11: after the coordinator's crash the order, its record and its event all exist or none (order record event: $state)");
+}
+
+# ---- The shell tables never got a row, on any node.
+is( join(' ', map { on($_, q{SELECT pg_relation_size('idempotency.records') + pg_relation_size('idempotency.inbox')}) } $cluster->nodes),
+	'0 0 0', 'the shells of records and inbox stayed empty on every node');
+
+done_testing();

@@ -67,6 +67,13 @@
 #define TOKENS_SEQUENCE		"tokens"
 #define AUDIT_TABLE			"audit"
 
+/*
+ * A Citus node's fencing tokens: the node's group above bit 48, its
+ * sequence's value (which starts at 2^32) below; groups up to 32767.
+ */
+#define RECORDS_TOKEN_GROUP_SHIFT	48
+#define RECORDS_TOKEN_MAX_GROUP		32767
+
 /* Column numbers of idempotency.audit. */
 #define Anum_audit_at				1
 #define Anum_audit_actor			2
@@ -215,14 +222,26 @@ records_open_pkey(Relation rel)
  * for a key is never handed out again for it, whatever expired or was
  * deleted in between.  The sequence starts above every per-key counter that
  * version 1.1 handed out.  Each node of a Citus cluster has a sequence of
- * its own: a record that a shard move brought here may carry a token of
- * another node's sequence, ahead of this one, and the next token of its key
- * must still be greater.
+ * its own, so a node's tokens carry its group (shard_local_group) in their
+ * bits from RECORDS_TOKEN_GROUP_SHIFT up: no two nodes hand out the same
+ * token, also for a key whose record moved between them and expired.  And
+ * a record that a shard move brought here may carry a token above this
+ * node's, which the key's next token must still exceed.
  */
 int64
 records_next_token(int64 after)
 {
 	int64		token = nextval_internal(records_rels.oids[2], false);
+	int32		group = shard_local_group();
+
+	if (group > 0)
+	{
+		if (group > RECORDS_TOKEN_MAX_GROUP || token >= ((int64) 1 << RECORDS_TOKEN_GROUP_SHIFT))
+			ereport(ERROR,
+					(errcode(ERRCODE_SEQUENCE_GENERATOR_LIMIT_EXCEEDED),
+					 errmsg("fencing tokens of Citus group %d are used up", group)));
+		token += (int64) group << RECORDS_TOKEN_GROUP_SHIFT;
+	}
 
 	if (token <= after)
 	{

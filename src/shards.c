@@ -38,9 +38,14 @@
  */
 #include "postgres.h"
 
+#include <dlfcn.h>
+
 #include "access/htup_details.h"
+#include "access/genam.h"
 #include "access/relation.h"
+#include "access/table.h"
 #include "catalog/namespace.h"
+#include "catalog/pg_namespace.h"
 #include "catalog/pg_type.h"
 #include "commands/extension.h"
 #include "executor/spi.h"
@@ -538,5 +543,69 @@ shard_run_on_workers(const char *command, const char *what)
 				 errmsg("%s failed on %d Citus worker%s", what, nfailed, nfailed > 1 ? "s" : ""),
 				 errdetail("%s", failures.data),
 				 errhint("Nothing changed on this node.  The workers where it succeeded have it already; running the same command again brings every node to this node's state.")));
+}
+
+/*
+ * Make Citus commit this transaction's writes on other nodes with two-phase
+ * commit, if Citus is loaded (it is preloaded wherever it runs): the
+ * extension writes this node's tables straight to the heap, which Citus
+ * does not see, so a transaction that also changed a single worker would
+ * otherwise commit that worker with a one-phase COMMIT first, and a crash
+ * of this node before its own commit would keep the worker's writes
+ * without this node's (an event published here next to an order written
+ * there).  Citus's 2PC recovery then resolves the worker's prepared
+ * transaction as this node's commit went.  A no-op outside a Citus
+ * distributed transaction, and when it wrote on no other node.
+ */
+void
+shard_commit_with_2pc(void)
+{
+	static bool looked_up = false;
+	static void (*use_2pc) (void) = NULL;
+
+	if (!looked_up)
+	{
+		/* Exported by citus.so, which is loaded into every backend when preloaded. */
+		use_2pc = (void (*) (void)) dlsym(RTLD_DEFAULT, "Use2PCForCoordinatedTransaction");
+		looked_up = true;
+	}
+	if (use_2pc != NULL)
+		use_2pc();
+}
+
+/*
+ * This node's group in a Citus cluster (pg_dist_local_group), 0 without
+ * Citus and on the coordinator.  Read from the table each time: a worker
+ * learns its group when the coordinator adds it, and callers are not on a
+ * hot path.
+ */
+int32
+shard_local_group(void)
+{
+	Oid			relid;
+	Relation	rel;
+	SysScanDesc scan;
+	HeapTuple	tuple;
+	int32		group = 0;
+
+	if (!OidIsValid(get_extension_oid("citus", true)))
+		return 0;
+	relid = get_relname_relid("pg_dist_local_group", PG_CATALOG_NAMESPACE);
+	if (!OidIsValid(relid))
+		return 0;
+	rel = table_open(relid, AccessShareLock);
+	scan = systable_beginscan(rel, InvalidOid, false, NULL, 0, NULL);
+	tuple = systable_getnext(scan);
+	if (HeapTupleIsValid(tuple))
+	{
+		bool		isnull;
+		Datum		d = heap_getattr(tuple, 1, RelationGetDescr(rel), &isnull);
+
+		if (!isnull)
+			group = DatumGetInt32(d);
+	}
+	systable_endscan(scan);
+	table_close(rel, AccessShareLock);
+	return group;
 }
 

@@ -87,7 +87,7 @@ coord(q{
 	DECLARE
 		c idem_claim_result;
 	BEGIN
-		c := idem_claim(p_tenant, 'POST /orders:' || p_key, jsonb_build_object('amount', p_amount));
+		c := idem_citus.idem_claim(p_tenant, 'POST /orders:' || p_key, jsonb_build_object('amount', p_amount));
 		IF c.outcome = 'claimed' THEN
 			INSERT INTO orders (tenant_id, key, amount, port)
 			VALUES (p_tenant, p_key, p_amount, current_setting('port')::int);
@@ -95,7 +95,7 @@ coord(q{
 				PERFORM idem_publish('order.created', jsonb_build_object('tenant', p_tenant, 'key', p_key),
 									 'order-' || p_tenant || '-' || p_key);
 			END IF;
-			PERFORM idem_succeed(p_tenant, 'POST /orders:' || p_key, 201, jsonb_build_object('order', p_key));
+			PERFORM idem_citus.idem_succeed(p_tenant, 'POST /orders:' || p_key, 201, jsonb_build_object('order', p_key));
 		END IF;
 		RETURN c.outcome || ' ' || current_setting('port');
 	END $$;
@@ -247,15 +247,15 @@ sub finish_query
 # worker.
 is( coord(qq{
 		BEGIN;
-		SELECT outcome FROM idem_claim($A, 'POST /orders:c1', '{"amount": 10}');
+		SELECT outcome FROM idem_citus.idem_claim($A, 'POST /orders:c1', '{"amount": 10}');
 		INSERT INTO orders (tenant_id, key, amount) VALUES ($A, 'c1', 10);
-		SELECT idem_succeed($A, 'POST /orders:c1', 201, '{"order": "c1"}');
+		SELECT idem_citus.idem_succeed($A, 'POST /orders:c1', 201, '{"order": "c1"}');
 		COMMIT;}),
 	"claimed\n", '1: a client transaction on the coordinator claims the key');
 is( coord(qq{
-		SELECT outcome || ' ' || status || ' ' || body FROM idem_claim($A, 'POST /orders:c1', '{"amount": 10}');
-		SELECT outcome || ' ' || coalesce(status::text, '-') FROM idem_claim($A, 'POST /orders:c1', '{"amount": 11}');
-		SELECT state || ' ' || status FROM idem_replay($A, 'POST /orders:c1');}),
+		SELECT outcome || ' ' || status || ' ' || body FROM idem_citus.idem_claim($A, 'POST /orders:c1', '{"amount": 10}');
+		SELECT outcome || ' ' || coalesce(status::text, '-') FROM idem_citus.idem_claim($A, 'POST /orders:c1', '{"amount": 11}');
+		SELECT state || ' ' || status FROM idem_citus.idem_replay($A, 'POST /orders:c1');}),
 	qq{replay 201 {"order": "c1"}\nmismatch -\ncompleted 201},
 	'1: the same request replays the stored response, another one is a mismatch');
 is( where_rows('idempotency.records', $A, q{key = 'POST /orders:c1' AND state = 'completed'})
@@ -282,9 +282,9 @@ is( where_rows('idempotency.records', $B, q{key IN ('POST /orders:f1', 'POST /or
 
 # idem_execute with a PL/pgSQL handler, delegated too.
 is( coord(qq{
-		SELECT status || ' ' || body || ' ' || replayed FROM idem_execute($A, 'POST /orders:x1',
+		SELECT status || ' ' || body || ' ' || replayed FROM idem_citus.idem_execute($A, 'POST /orders:x1',
 			'{"tenant": $A, "key": "x1", "amount": 3}', 'order_handler(jsonb)');
-		SELECT status || ' ' || body || ' ' || replayed FROM idem_execute($A, 'POST /orders:x1',
+		SELECT status || ' ' || body || ' ' || replayed FROM idem_citus.idem_execute($A, 'POST /orders:x1',
 			'{"tenant": $A, "key": "x1", "amount": 3}', 'order_handler(jsonb)');
 		SELECT string_agg(port::text, ',') FROM orders WHERE key = 'x1';}),
 	qq{201 {"order": "x1"} false\n201 {"order": "x1"} true\n} . $hold_a->port,
@@ -335,9 +335,9 @@ coord(q{
 	DECLARE
 		c idem_claim_result;
 	BEGIN
-		c := idem_claim(p_tenant, 'POST /orders:' || p_key, '{"amount": 1}'::jsonb);
+		c := idem_citus.idem_claim(p_tenant, 'POST /orders:' || p_key, '{"amount": 1}'::jsonb);
 		INSERT INTO orders (tenant_id, key, amount) VALUES (p_tenant, p_key, 1);
-		PERFORM idem_succeed(p_tenant, 'POST /orders:' || p_key, 201);
+		PERFORM idem_citus.idem_succeed(p_tenant, 'POST /orders:' || p_key, 201);
 		RETURN c.outcome;
 	END $$;
 });
@@ -346,9 +346,9 @@ my %undelegated = (
 			 SELECT outcome FROM idem_claim('$A', 'POST /orders:n1', '{"amount": 1}');
 			 SELECT idem_succeed('$A', 'POST /orders:n1', 201); COMMIT;},
 	n2 => qq{BEGIN; INSERT INTO orders (tenant_id, key, amount) VALUES ($A, 'n2', 1);
-			 SELECT idem_claim($A, 'POST /orders:n2', '{"amount": 1}'::jsonb) FROM generate_series(1, 1);
-			 SELECT idem_succeed($A, 'POST /orders:n2', 201); COMMIT;},
-	n3 => qq{WITH c AS (SELECT * FROM idem_claim($A, 'POST /orders:n3', '{"amount": 1}'))
+			 SELECT idem_citus.idem_claim($A, 'POST /orders:n2', '{"amount": 1}'::jsonb) FROM generate_series(1, 1);
+			 SELECT idem_citus.idem_succeed($A, 'POST /orders:n2', 201); COMMIT;},
+	n3 => qq{WITH c AS (SELECT * FROM idem_citus.idem_claim($A, 'POST /orders:n3', '{"amount": 1}'))
 			 SELECT outcome FROM c;},
 	n4 => qq{SELECT app_order($A, 'n4');},
 	n5 => qq{BEGIN; SELECT app_order($A, 'n5'); COMMIT;},
@@ -372,7 +372,7 @@ is( where_rows('idempotency.records', $A, q{key IN ('POST /orders:n1', 'POST /or
 {
 	my $session = $coord->background_psql($cluster->dbname, on_error_stop => 0);
 	$session->query_safe('BEGIN');
-	is( $session->query_safe(qq{SELECT outcome FROM idem_claim($A, 'POST /orders:k9', '{"amount": 9}')}),
+	is( $session->query_safe(qq{SELECT outcome FROM idem_citus.idem_claim($A, 'POST /orders:k9', '{"amount": 9}')}),
 		'claimed', '4: the claim of k9 in an open client transaction');
 	$session->query_safe(qq{INSERT INTO orders (tenant_id, key, amount) VALUES ($A, 'k9', 9)});
 	is( on($hold_a, q{
@@ -393,11 +393,11 @@ is( where_rows('idempotency.records', $A, q{key IN ('POST /orders:n1', 'POST /or
 		'4: after the restart there is neither the record nor the order');
 	is( coord(qq{
 			BEGIN;
-			SELECT outcome FROM idem_claim($A, 'POST /orders:k9', '{"amount": 9}');
+			SELECT outcome FROM idem_citus.idem_claim($A, 'POST /orders:k9', '{"amount": 9}');
 			INSERT INTO orders (tenant_id, key, amount) VALUES ($A, 'k9', 9);
-			SELECT idem_succeed($A, 'POST /orders:k9', 201, '{"order": "k9"}');
+			SELECT idem_citus.idem_succeed($A, 'POST /orders:k9', 201, '{"order": "k9"}');
 			COMMIT;
-			SELECT outcome FROM idem_claim($A, 'POST /orders:k9', '{"amount": 9}');}),
+			SELECT outcome FROM idem_citus.idem_claim($A, 'POST /orders:k9', '{"amount": 9}');}),
 		"claimed\n\nreplay", '4: the retry executes, its own retry replays');
 	is(where_rows('orders', $A, q{key = 'k9'}), only_on($hold_a, 1), '4: exactly one order');
 }
@@ -411,10 +411,10 @@ is( where_rows('idempotency.records', $A, q{key IN ('POST /orders:n1', 'POST /or
 	{
 		coord(join '', map { qq{
 			BEGIN;
-			SELECT outcome FROM idem_claim($t, 'POST /orders:ttl$_', '{}', ttl => '1 second');
-			SELECT idem_succeed($t, 'POST /orders:ttl$_', 200);
+			SELECT outcome FROM idem_citus.idem_claim($t, 'POST /orders:ttl$_', '{}', ttl => '1 second');
+			SELECT idem_citus.idem_succeed($t, 'POST /orders:ttl$_', 200);
 			COMMIT;} } 1 .. 3);
-		coord(qq{SELECT idem_inbox_accept($t, 'ttl-m$_', ttl => '1 second')}) for 1 .. 2;
+		coord(qq{SELECT idem_citus.idem_inbox_accept($t, 'ttl-m$_', ttl => '1 second')}) for 1 .. 2;
 	}
 	for my $t ($A, $B)
 	{
@@ -439,7 +439,7 @@ is( where_rows('idempotency.records', $A, q{key IN ('POST /orders:n1', 'POST /or
 # lease expired more than the session's idempotency.stuck_after ago (0),
 # not with the default (5 minutes).
 {
-	my $token = coord(qq{SELECT token FROM idem_claim($B, 'POST /pay:stuck', '{}', lease => '1 second')});
+	my $token = coord(qq{SELECT token FROM idem_citus.idem_claim($B, 'POST /pay:stuck', '{}', lease => '1 second')});
 	ok( poll_true($coord, qq{
 			SET idempotency.stuck_after = 0;
 			SELECT count(*) = 1 FROM idem_stuck WHERE scope = '$B' AND key = 'POST /pay:stuck'}),
@@ -456,13 +456,13 @@ is( where_rows('idempotency.records', $A, q{key IN ('POST /orders:n1', 'POST /or
 
 # ---- 7. The inbox is distributed.
 is( coord(qq{
-		SELECT idem_inbox_accept($A, 'm1');
-		SELECT idem_inbox_accept($A, 'm1');
+		SELECT idem_citus.idem_inbox_accept($A, 'm1');
+		SELECT idem_citus.idem_inbox_accept($A, 'm1');
 		BEGIN;
-		SELECT idem_inbox_accept($B, 'm1');
-		SELECT idem_inbox_accept($B, 'm1');
+		SELECT idem_citus.idem_inbox_accept($B, 'm1');
+		SELECT idem_citus.idem_inbox_accept($B, 'm1');
 		COMMIT;
-		SELECT idem_inbox_accept($B, 'm1');}),
+		SELECT idem_citus.idem_inbox_accept($B, 'm1');}),
 	"t\nf\nt\nf\nf", '7: idem_inbox_accept answers true, then false, per tenant, in a transaction block too');
 is( where_rows('idempotency.inbox', $A, q{message_id = 'm1'}) . ' / '
 	  . where_rows('idempotency.inbox', $B, q{message_id = 'm1'}),
@@ -557,9 +557,9 @@ sub move_shard
 {
 	on($hold_a, q{SELECT setval('idempotency.tokens', 1000000000000)});
 	my ($outcome, $old) = split ' ', coord(qq{
-		SELECT outcome || ' ' || token FROM idem_claim($A, 'POST /pay:fence', '{"amount": 5}', lease => '1 second')});
+		SELECT outcome || ' ' || token FROM idem_citus.idem_claim($A, 'POST /pay:fence', '{"amount": 5}', lease => '1 second')});
 	is($outcome, 'claimed', "9: a lease on tenant A's worker, token $old");
-	coord(qq{SELECT idem_checkpoint($A, 'POST /pay:fence', $old, 'phase1')});
+	coord(qq{SELECT idem_citus.idem_checkpoint($A, 'POST /pay:fence', $old, 'phase1')});
 
 	my $direct = $hold_a->background_psql($cluster->dbname, on_error_stop => 0);
 	my $rr = $hold_a->background_psql($cluster->dbname, on_error_stop => 0);
@@ -593,7 +593,7 @@ sub move_shard
 
 	is( where_rows('idempotency.records', $A,
 			qq{key = 'POST /pay:fence' AND state = 'processing' AND token = $old AND recovery_point = 'phase1'})
-		  . ' / ' . coord(qq{SELECT outcome FROM idem_claim($A, 'POST /orders:c1', '{"amount": 10}')}),
+		  . ' / ' . coord(qq{SELECT outcome FROM idem_citus.idem_claim($A, 'POST /orders:c1', '{"amount": 10}')}),
 		only_on($hold_b, 1) . ' / replay',
 		'9: the records moved with the shard: the lease with its token and recovery point, a completed one replays');
 	ok( $coord->poll_query_until($cluster->dbname, qq{
@@ -602,14 +602,14 @@ sub move_shard
 		'9: the lease expired');
 	my ($again, $new, $point) = split ' ', coord(qq{
 		SELECT outcome || ' ' || token || ' ' || recovery_point
-		  FROM idem_claim($A, 'POST /pay:fence', '{"amount": 5}', lease => '1 minute')});
+		  FROM idem_citus.idem_claim($A, 'POST /pay:fence', '{"amount": 5}', lease => '1 minute')});
 	is("$again $point", 'claimed phase1', '9: the retry takes over from phase1');
 	cmp_ok($new, '>', $old, '9: the takeover\'s token is greater than the old owner\'s');
-	like(coord_error(qq{SELECT idem_checkpoint($A, 'POST /pay:fence', $old, 'phase2')}),
+	like(coord_error(qq{SELECT idem_citus.idem_checkpoint($A, 'POST /pay:fence', $old, 'phase2')}),
 		qr/ERROR:  IK001/, '9: the old owner is fenced');
 	is( coord(qq{
-			SELECT idem_succeed($A, 'POST /pay:fence', 201, '{"paid": true}', token => $new);
-			SELECT outcome || ' ' || status FROM idem_claim($A, 'POST /pay:fence', '{"amount": 5}');}),
+			SELECT idem_citus.idem_succeed($A, 'POST /pay:fence', 201, '{"paid": true}', token => $new);
+			SELECT outcome || ' ' || status FROM idem_citus.idem_claim($A, 'POST /pay:fence', '{"amount": 5}');}),
 		"\nreplay 201", '9: the new owner completes it');
 }
 
@@ -625,14 +625,14 @@ sub move_shard
 	my $other = other($hold_b);
 	my $next = on($hold_b, q{SELECT last_value + 1 FROM idempotency.tokens});
 	on($other, qq{SELECT setval('idempotency.tokens', $next - 1)});
-	my $zombie = coord(qq{SELECT token FROM idem_claim($B, 'POST /pay:again', '{}', ttl => '1 second', lease => '1 second')});
+	my $zombie = coord(qq{SELECT token FROM idem_citus.idem_claim($B, 'POST /pay:again', '{}', ttl => '1 second', lease => '1 second')});
 	ok( $coord->poll_query_until($cluster->dbname, qq{
 			SELECT lease_expires_at < now() FROM idempotency.records
 			 WHERE scope = '$B' AND key = 'POST /pay:again'}),
 		'10: the first owner\'s lease expired');
-	my $taker = coord(qq{SELECT token FROM idem_claim($B, 'POST /pay:again', '{}', ttl => '1 second', lease => '1 minute')});
-	coord(qq{SELECT idem_succeed($B, 'POST /pay:again', 201, token => $taker)});
-	like(coord_error(qq{SELECT idem_checkpoint($B, 'POST /pay:again', $zombie, 'late')}),
+	my $taker = coord(qq{SELECT token FROM idem_citus.idem_claim($B, 'POST /pay:again', '{}', ttl => '1 second', lease => '1 minute')});
+	coord(qq{SELECT idem_citus.idem_succeed($B, 'POST /pay:again', 201, token => $taker)});
+	like(coord_error(qq{SELECT idem_citus.idem_checkpoint($B, 'POST /pay:again', $zombie, 'late')}),
 		qr/ERROR:  IK001/, "10: the first owner (token $zombie) is fenced by the takeover (token $taker)");
 	move_shard($B, $hold_b, $other, 'block_writes');
 	coord('CALL citus_cleanup_orphaned_resources()');
@@ -641,9 +641,9 @@ sub move_shard
 	ok( $other->poll_query_until($cluster->dbname, qq{
 			SELECT count(*) = 0 FROM $shard WHERE key = 'POST /pay:again'}),
 		'10: the completed record expired, and the cleanup of the node it moved to deleted it');
-	my $fresh = coord(qq{SELECT token FROM idem_claim($B, 'POST /pay:again', '{}', lease => '1 minute')});
+	my $fresh = coord(qq{SELECT token FROM idem_citus.idem_claim($B, 'POST /pay:again', '{}', lease => '1 minute')});
 	isnt($fresh, $zombie, "10: the new operation's token ($fresh) is not the fenced owner's");
-	like(coord_error(qq{SELECT idem_checkpoint($B, 'POST /pay:again', $zombie, 'late')}),
+	like(coord_error(qq{SELECT idem_citus.idem_checkpoint($B, 'POST /pay:again', $zombie, 'late')}),
 		qr/ERROR:  IK001/, '10: the fenced owner cannot checkpoint the new operation');
 }
 
@@ -651,13 +651,16 @@ sub move_shard
 # A client transaction of several statements on the coordinator claims,
 # writes the order (on tenant A's worker), publishes the order's event
 # (idem_publish is not a distributed function: on the coordinator, into the
-# coordinator's outbox) and stores the response.  Citus commits the single
-# worker with one-phase COMMIT before the coordinator commits.  The
+# coordinator's outbox) and stores the response.  Citus would commit the
+# single worker with a one-phase COMMIT before the coordinator commits (it
+# does not see the extension's heap writes on the coordinator); idem_publish
+# asks it for two-phase commit, so the worker only prepares.  The
 # coordinator is frozen in that window, then killed: its commit waits for
 # the lock of the NOTIFY queue (the application also notifies), which a
 # session holds while its own commit waits for a synchronous standby that
 # never comes.  The event must commit with the order and its record, or
-# none of them may.
+# none of them may; Citus's 2PC recovery then rolls the worker's prepared
+# part back, and the retry creates the order, its record and its event once.
 {
 	my $holder = holder($A);
 	coord(q{ALTER SYSTEM SET synchronous_standby_names = 'nobody'});
@@ -676,19 +679,20 @@ sub move_shard
 
 	my $app = $coord->background_psql($cluster->dbname, on_error_stop => 0);
 	$app->query_safe('BEGIN');
-	is( $app->query_safe(qq{SELECT outcome FROM idem_claim($A, 'POST /orders:ob1', '{"amount": 70}')}),
+	is( $app->query_safe(qq{SELECT outcome FROM idem_citus.idem_claim($A, 'POST /orders:ob1', '{"amount": 70}')}),
 		'claimed', '11: the client transaction claims the key');
 	$app->query_safe(qq{INSERT INTO orders (tenant_id, key, amount) VALUES ($A, 'ob1', 70)});
 	$app->query_safe(q{SELECT idem_publish('order.created', '{"key": "ob1"}', 'order-ob1')});
 	$app->query_safe(q{SELECT pg_notify('app', 'ob1')});
-	$app->query_safe(qq{SELECT idem_succeed($A, 'POST /orders:ob1', 201, '{"order": "ob1"}')});
+	$app->query_safe(qq{SELECT idem_citus.idem_succeed($A, 'POST /orders:ob1', 201, '{"order": "ob1"}')});
 	start_query($app, 'COMMIT');
 	ok( $coord->poll_query_until($cluster->dbname, q{
 			SELECT count(*) = 1 FROM pg_stat_activity
 			 WHERE query = 'COMMIT;' AND wait_event_type = 'Lock' AND wait_event = 'object'}),
 		'11: its COMMIT waits for the NOTIFY queue, on the coordinator');
-	is( on($holder, q{SELECT count(*) FROM orders WHERE key = 'ob1'}), '1',
-		'11: by then tenant A\'s worker has committed its part (one-phase commit)');
+	is( on($holder, q{SELECT count(*) FROM orders WHERE key = 'ob1'}) . ' '
+		  . on($holder, q{SELECT count(*) FROM pg_prepared_xacts}),
+		'0 1', '11: by then tenant A\'s worker has prepared its part, not committed it (two-phase commit)');
 
 	$_->{run}->kill_kill for $gate, $app;
 	kill9_node($coord);
@@ -697,11 +701,25 @@ sub move_shard
 	coord('SELECT pg_reload_conf()');
 	my $state = join ' ',
 	  coord(q{SELECT count(*) FROM orders WHERE key = 'ob1'}),
-	  coord(qq{SELECT count(*) FROM idem_replay($A, 'POST /orders:ob1')}),
+	  coord(qq{SELECT count(*) FROM idem_citus.idem_replay($A, 'POST /orders:ob1')}),
 	  coord(q{SELECT count(*) FROM idempotency.outbox WHERE payload->>'key' = 'ob1'})
 	  + on($holder, q{SELECT count(*) FROM idempotency.outbox WHERE payload->>'key' = 'ob1'});
 	ok($state eq '1 1 1' || $state eq '0 0 0',
 		"11: after the coordinator's crash the order, its record and its event all exist or none (order record event: $state)");
+	coord('SELECT recover_prepared_transactions()');
+	is(on($holder, q{SELECT count(*) FROM pg_prepared_xacts}), '0',
+		'11: Citus\'s recovery resolved the worker\'s prepared part');
+	coord(qq{BEGIN;
+		SELECT outcome FROM idem_citus.idem_claim($A, 'POST /orders:ob1', '{"amount": 70}');
+		INSERT INTO orders (tenant_id, key, amount) VALUES ($A, 'ob1', 70);
+		SELECT idem_publish('order.created', '{"key": "ob1"}', 'order-ob1');
+		SELECT idem_citus.idem_succeed($A, 'POST /orders:ob1', 201, '{"order": "ob1"}');
+		COMMIT;}) if $state eq '0 0 0';
+	is( join(' ',
+			coord(q{SELECT count(*) FROM orders WHERE key = 'ob1'}),
+			coord(qq{SELECT count(*) FROM idem_citus.idem_replay($A, 'POST /orders:ob1')}),
+			coord(q{SELECT count(*) FROM idempotency.outbox WHERE payload->>'key' = 'ob1'})),
+		'1 1 1', '11: in the end one order, its record and its event');
 }
 
 # ---- The shell tables never got a row, on any node.

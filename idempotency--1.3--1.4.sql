@@ -385,6 +385,8 @@ BEGIN
 		PERFORM pg_catalog.create_distributed_function(fn, '$1',
 			colocate_with => tenant_table::text, force_delegation => true);
 	END LOOP;
+	-- Workers added since the destinations were made get them too.
+	PERFORM @extschema@.idem_citus_send_destinations();
 END
 $fn$;
 REVOKE ALL ON FUNCTION idem_citus_distribute(pg_catalog.regclass) FROM PUBLIC;
@@ -400,6 +402,18 @@ RETURNS void
 AS 'MODULE_PATHNAME', 'idem_destination_sync'
 LANGUAGE C VOLATILE PARALLEL UNSAFE;
 REVOKE ALL ON FUNCTION idem_destination_sync(text, jsonb, boolean) FROM PUBLIC;
+
+/*
+ * idem_citus_send_destinations(): every outbox destination of the
+ * coordinator goes to every worker at commit, for workers that joined since
+ * the destinations were made; idem_citus_distribute calls it.  Returns how
+ * many.
+ */
+CREATE FUNCTION idem_citus_send_destinations()
+RETURNS int4
+AS 'MODULE_PATHNAME', 'idem_citus_send_destinations'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+REVOKE ALL ON FUNCTION idem_citus_send_destinations() FROM PUBLIC;
 
 /*
  * idem_stuck with its horizon computed once, in a subquery: on a Citus

@@ -349,3 +349,38 @@ idem_destination_sync(PG_FUNCTION_ARGS)
 	outbox_dests_changed_at_commit();
 	PG_RETURN_VOID();
 }
+
+PG_FUNCTION_INFO_V1(idem_citus_send_destinations);
+
+/*
+ * idem_citus_send_destinations(): every destination of this coordinator goes
+ * to every worker at commit, as after a command on each: for workers that
+ * joined since the destinations were made (idem_citus_distribute calls it).
+ * Returns how many.
+ */
+Datum
+idem_citus_send_destinations(PG_FUNCTION_ARGS)
+{
+	OutboxOwnerState owner;
+	List	   *names = NIL;
+	ListCell   *lc;
+
+	outbox_become_owner(&owner);
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+	if (SPI_execute("SELECT name FROM idempotency.destinations ORDER BY name", true, 0) != SPI_OK_SELECT)
+		elog(ERROR, "could not read the outbox destinations");
+	for (uint64 i = 0; i < SPI_processed; i++)
+	{
+		bool		isnull;
+		Datum		d = SPI_getbinval(SPI_tuptable->vals[i], SPI_tuptable->tupdesc, 1, &isnull);
+
+		names = lappend(names, DatumGetTextPCopy(d));
+	}
+	SPI_finish();
+	outbox_restore_user(&owner);
+	foreach(lc, names)
+		dest_sync_note(lfirst(lc), false);
+	PG_RETURN_INT32(list_length(names));
+}
+

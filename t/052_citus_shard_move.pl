@@ -59,11 +59,11 @@ coord(q{
 	DECLARE
 		c idem_claim_result;
 	BEGIN
-		c := idem_claim(p_tenant, 'POST /orders:k' || p_n, jsonb_build_object('amount', p_n));
+		c := idem_citus.idem_claim(p_tenant, 'POST /orders:k' || p_n, jsonb_build_object('amount', p_n));
 		IF c.outcome = 'claimed' THEN
 			INSERT INTO orders (tenant_id, key, amount, port)
 			VALUES (p_tenant, 'k' || p_n, p_n, current_setting('port')::int);
-			PERFORM idem_succeed(p_tenant, 'POST /orders:k' || p_n, 201, jsonb_build_object('order', 'k' || p_n));
+			PERFORM idem_citus.idem_succeed(p_tenant, 'POST /orders:k' || p_n, 201, jsonb_build_object('order', 'k' || p_n));
 		END IF;
 		RETURN c.outcome || ' ' || current_setting('port');
 	END $$;

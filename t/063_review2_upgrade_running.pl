@@ -52,8 +52,10 @@ my $queued = $node->safe_psql('postgres',
 note("queued before the update: $queued");
 
 $node->safe_psql('postgres', 'ALTER EXTENSION idempotency UPDATE');
-is($node->safe_psql('postgres', q{SELECT extversion FROM pg_extension WHERE extname = 'idempotency'}),
-	'1.3', 'updated while the worker runs');
+# (To the current version: 1.3 changed the relay, later ones keep it.)
+is($node->safe_psql('postgres', q{SELECT extversion = default_version FROM pg_extension e
+		JOIN pg_available_extensions a ON a.name = e.extname WHERE extname = 'idempotency'}),
+	't', 'updated while the worker runs, to the current version');
 ok($node->poll_query_until('postgres',
 		q{SELECT NOT EXISTS (SELECT FROM idempotency.deliveries WHERE state = 'pending')}),
 	'what was queued at 1.2 is delivered after the update, with no publish to wake the relay');

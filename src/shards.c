@@ -260,6 +260,27 @@ shard_map_read(ShardMap *map)
 }
 
 /*
+ * Read map again and mark it valid, unless an invalidation arrives while it
+ * is read; a map whose reading failed stays invalid.  (A function of its
+ * own, so that no local of the caller lives across the longjmp.)
+ */
+static void
+shard_map_refresh(ShardMap *map)
+{
+	map->valid = true;
+	PG_TRY();
+	{
+		shard_map_read(map);
+	}
+	PG_CATCH();
+	{
+		map->valid = false;
+		PG_RE_THROW();
+	}
+	PG_END_TRY();
+}
+
+/*
  * The map of relid, read again if an invalidation made it stale.  An
  * invalidation that arrives while it is read (the queries take locks, and
  * locks read invalidations) makes it read again.
@@ -287,17 +308,7 @@ shard_map_get(Oid relid)
 	{
 		if (tries == 100)
 			elog(ERROR, "the Citus metadata of relation %u keeps changing", relid);
-		map->valid = true;
-		PG_TRY();
-		{
-			shard_map_read(map);
-		}
-		PG_CATCH();
-		{
-			map->valid = false;
-			PG_RE_THROW();
-		}
-		PG_END_TRY();
+		shard_map_refresh(map);
 	}
 	return map;
 }

@@ -31,6 +31,10 @@
  * is refused with 40001: the call did not reach the node that holds it
  * (Citus did not delegate it, or the shard moved meanwhile).
  *
+ * And at every commit: a transaction that wrote on this node has Citus
+ * commit its writes on other nodes with two-phase commit, so that a record
+ * on a worker never outlives a coordinator-side write of its transaction.
+ *
  * Without Citus, or while the table is not distributed, shard_resolve
  * returns the table itself, at the cost of one flag test.
  *
@@ -44,6 +48,7 @@
 #include "access/genam.h"
 #include "access/relation.h"
 #include "access/table.h"
+#include "access/xact.h"
 #include "catalog/namespace.h"
 #include "catalog/pg_namespace.h"
 #include "catalog/pg_type.h"
@@ -96,6 +101,8 @@ typedef struct ShardMap
 	MemoryContext cxt;
 } ShardMap;
 
+static void shard_xact_callback(XactEvent event, void *arg);
+
 /* records and inbox; a slot is taken by the first table that asks. */
 #define SHARD_MAX_MAPS 4
 static ShardMap shard_maps[SHARD_MAX_MAPS];
@@ -110,11 +117,12 @@ shard_relcache_callback(Datum arg, Oid relid)
 			shard_maps[i].valid = false;
 }
 
-/* Register the invalidation callback; called once from _PG_init. */
+/* Register the invalidation and commit callbacks; called once from _PG_init. */
 void
 ShardsInit(void)
 {
 	CacheRegisterRelcacheCallback(shard_relcache_callback, (Datum) 0);
+	RegisterXactCallback(shard_xact_callback, NULL);
 }
 
 /* Run a catalog query with the latest snapshot; the caller is connected to SPI. */
@@ -558,17 +566,22 @@ shard_run_on_workers(const char *command, const char *what)
 
 /*
  * Make Citus commit this transaction's writes on other nodes with two-phase
- * commit, if Citus is loaded (it is preloaded wherever it runs): the
- * extension writes this node's tables straight to the heap, which Citus
- * does not see, so a transaction that also changed a single worker would
- * otherwise commit that worker with a one-phase COMMIT first, and a crash
- * of this node before its own commit would keep the worker's writes
- * without this node's (an event published here next to an order written
- * there).  Citus's 2PC recovery then resolves the worker's prepared
- * transaction as this node's commit went.  A no-op outside a Citus
- * distributed transaction, and when it wrote on no other node.
+ * commit, if Citus is loaded (it is preloaded wherever it runs) and this
+ * node wrote too.  Citus commits a transaction that changed a single other
+ * node with a one-phase COMMIT of that node, first, in its pre-commit step:
+ * it does not see what this node wrote to plain tables or straight to the
+ * heap (the extension's records and events).  A crash of this node, or an
+ * error of its own commit after that step (a serialization failure of
+ * SERIALIZABLE, say), would then keep the other node's writes without this
+ * node's: a record stored on a worker next to a coordinator-side write that
+ * was lost, and the retry answered as if the operation had taken effect.
+ * With two-phase commit the other node only prepares, and Citus's recovery
+ * resolves its prepared transaction as this node's commit went.  A no-op
+ * outside a Citus distributed transaction, and when it wrote on no other
+ * node; so the delegated calls the README recommends, which write only on
+ * the tenant's worker, keep their one-phase commit.
  */
-void
+static void
 shard_commit_with_2pc(void)
 {
 	static bool looked_up = false;
@@ -582,6 +595,19 @@ shard_commit_with_2pc(void)
 	}
 	if (use_2pc != NULL)
 		use_2pc();
+}
+
+/*
+ * At pre-commit, before Citus's own pre-commit step (Citus is loaded first,
+ * and a callback registered later runs earlier): a transaction that wrote
+ * on this node commits its writes on other nodes with two-phase commit.
+ */
+static void
+shard_xact_callback(XactEvent event, void *arg)
+{
+	if ((event == XACT_EVENT_PRE_COMMIT || event == XACT_EVENT_PARALLEL_PRE_COMMIT) &&
+		TransactionIdIsValid(GetTopTransactionIdIfAny()))
+		shard_commit_with_2pc();
 }
 
 /*

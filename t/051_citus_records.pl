@@ -38,7 +38,9 @@
 #     fenced owner of the first one never held;
 # 11. an event published on the coordinator in a client transaction whose
 #     order and record are written on a worker commits with them or not at
-#     all, through a coordinator crash after the worker committed.
+#     all, through a coordinator crash after the worker committed;
+# 12. so does a write to a plain table of the coordinator in such a
+#     transaction.
 #
 # Skipped when Citus is not installed.
 use strict;
@@ -647,6 +649,67 @@ sub move_shard
 		qr/ERROR:  IK001/, '10: the fenced owner cannot checkpoint the new operation');
 }
 
+# For blocks 11 and 12: a coordinator session that holds the lock of the
+# NOTIFY queue, its own commit waiting for a synchronous standby that never
+# comes, so that the next commit that notifies stops after its pre-commit
+# step, where Citus has committed or prepared the workers' part.
+sub notify_gate
+{
+	my ($n) = @_;
+	coord(q{ALTER SYSTEM SET synchronous_standby_names = 'nobody'});
+	coord(q{ALTER SYSTEM SET synchronous_commit = 'local'});
+	coord('SELECT pg_reload_conf()');
+	ok(poll_true($coord, q{SELECT current_setting('synchronous_standby_names') = 'nobody'}),
+		"$n: the coordinator waits for a standby that never comes, where asked");
+	my $gate = $coord->background_psql($cluster->dbname, on_error_stop => 0);
+	$gate->query_safe('SET synchronous_commit = on');
+	$gate->query_safe('BEGIN');
+	$gate->query_safe(q{SELECT pg_notify('gate', '')});
+	$gate->query_until(qr/committing\n/, "\\echo committing\nCOMMIT;\n");
+	ok( $coord->poll_query_until($cluster->dbname, q{
+			SELECT count(*) = 1 FROM pg_stat_activity WHERE wait_event = 'SyncRep'}),
+		"$n: a session holds the NOTIFY queue's lock, its commit waiting");
+	return $gate;
+}
+
+# For blocks 11 and 12: a client transaction on the coordinator that claims
+# tenant A's key POST /orders:$key, writes its order (on $holder, A's
+# worker), runs $write on the coordinator, notifies and stores the
+# response; its COMMIT stops at the NOTIFY queue (notify_gate), after
+# Citus's pre-commit step, where the worker must have prepared its part,
+# not committed it.  Returns the session, its COMMIT still waiting.
+sub frozen_commit
+{
+	my ($n, $holder, $key, $amount, $write) = @_;
+	my $app = $coord->background_psql($cluster->dbname, on_error_stop => 0);
+	$app->query_safe('BEGIN');
+	is( $app->query_safe(qq{SELECT outcome FROM idem_citus.idem_claim($A, 'POST /orders:$key', '{"amount": $amount}')}),
+		'claimed', "$n: the client transaction claims the key");
+	$app->query_safe(qq{INSERT INTO orders (tenant_id, key, amount) VALUES ($A, '$key', $amount)});
+	$app->query_safe($write);
+	$app->query_safe(qq{SELECT pg_notify('app', '$key')});
+	$app->query_safe(qq{SELECT idem_citus.idem_succeed($A, 'POST /orders:$key', 201, '{"order": "$key"}')});
+	start_query($app, 'COMMIT');
+	ok( $coord->poll_query_until($cluster->dbname, q{
+			SELECT count(*) = 1 FROM pg_stat_activity
+			 WHERE query = 'COMMIT;' AND wait_event_type = 'Lock' AND wait_event = 'object'}),
+		"$n: its COMMIT waits for the NOTIFY queue, on the coordinator");
+	is( on($holder, qq{SELECT count(*) FROM orders WHERE key = '$key'}) . ' '
+		  . on($holder, q{SELECT count(*) FROM pg_prepared_xacts}),
+		'0 1', "$n: by then tenant A's worker has prepared its part, not committed it (two-phase commit)");
+	return $app;
+}
+
+# kill -9 the coordinator under the sessions given, then undo notify_gate.
+sub crash_coordinator
+{
+	$_->{run}->kill_kill for @_;
+	kill9_node($coord);
+	coord(q{ALTER SYSTEM RESET synchronous_standby_names});
+	coord(q{ALTER SYSTEM RESET synchronous_commit});
+	coord('SELECT pg_reload_conf()');
+}
+
 # ---- 11. An event published on the coordinator next to a delegated write.
 # A client transaction of several statements on the coordinator claims,
 # writes the order (on tenant A's worker), publishes the order's event
@@ -663,42 +726,12 @@ sub move_shard
 # part back, and the retry creates the order, its record and its event once.
 {
 	my $holder = holder($A);
-	coord(q{ALTER SYSTEM SET synchronous_standby_names = 'nobody'});
-	coord(q{ALTER SYSTEM SET synchronous_commit = 'local'});
-	coord('SELECT pg_reload_conf()');
-	ok(poll_true($coord, q{SELECT current_setting('synchronous_standby_names') = 'nobody'}),
-		'11: the coordinator waits for a standby that never comes, where asked');
-	my $gate = $coord->background_psql($cluster->dbname, on_error_stop => 0);
-	$gate->query_safe('SET synchronous_commit = on');
-	$gate->query_safe('BEGIN');
-	$gate->query_safe(q{SELECT pg_notify('gate', '')});
-	$gate->query_until(qr/committing\n/, "\\echo committing\nCOMMIT;\n");
-	ok( $coord->poll_query_until($cluster->dbname, q{
-			SELECT count(*) = 1 FROM pg_stat_activity WHERE wait_event = 'SyncRep'}),
-		'11: a session holds the NOTIFY queue\'s lock, its commit waiting');
+	my $gate = notify_gate('11');
 
-	my $app = $coord->background_psql($cluster->dbname, on_error_stop => 0);
-	$app->query_safe('BEGIN');
-	is( $app->query_safe(qq{SELECT outcome FROM idem_citus.idem_claim($A, 'POST /orders:ob1', '{"amount": 70}')}),
-		'claimed', '11: the client transaction claims the key');
-	$app->query_safe(qq{INSERT INTO orders (tenant_id, key, amount) VALUES ($A, 'ob1', 70)});
-	$app->query_safe(q{SELECT idem_publish('order.created', '{"key": "ob1"}', 'order-ob1')});
-	$app->query_safe(q{SELECT pg_notify('app', 'ob1')});
-	$app->query_safe(qq{SELECT idem_citus.idem_succeed($A, 'POST /orders:ob1', 201, '{"order": "ob1"}')});
-	start_query($app, 'COMMIT');
-	ok( $coord->poll_query_until($cluster->dbname, q{
-			SELECT count(*) = 1 FROM pg_stat_activity
-			 WHERE query = 'COMMIT;' AND wait_event_type = 'Lock' AND wait_event = 'object'}),
-		'11: its COMMIT waits for the NOTIFY queue, on the coordinator');
-	is( on($holder, q{SELECT count(*) FROM orders WHERE key = 'ob1'}) . ' '
-		  . on($holder, q{SELECT count(*) FROM pg_prepared_xacts}),
-		'0 1', '11: by then tenant A\'s worker has prepared its part, not committed it (two-phase commit)');
+	my $app = frozen_commit('11', $holder, 'ob1', 70,
+		q{SELECT idem_publish('order.created', '{"key": "ob1"}', 'order-ob1')});
 
-	$_->{run}->kill_kill for $gate, $app;
-	kill9_node($coord);
-	coord(q{ALTER SYSTEM RESET synchronous_standby_names});
-	coord(q{ALTER SYSTEM RESET synchronous_commit});
-	coord('SELECT pg_reload_conf()');
+	crash_coordinator($gate, $app);
 	my $state = join ' ',
 	  coord(q{SELECT count(*) FROM orders WHERE key = 'ob1'}),
 	  coord(qq{SELECT count(*) FROM idem_citus.idem_replay($A, 'POST /orders:ob1')}),
@@ -720,6 +753,34 @@ sub move_shard
 			coord(qq{SELECT count(*) FROM idem_citus.idem_replay($A, 'POST /orders:ob1')}),
 			coord(q{SELECT count(*) FROM idempotency.outbox WHERE payload->>'key' = 'ob1'})),
 		'1 1 1', '11: in the end one order, its record and its event');
+}
+
+# ---- 12. A coordinator-side write next to a delegated claim and response.
+# As in 11, but the coordinator's own write is to a plain table of its own
+# (a ledger), not an event: Citus does not see it either, and would commit
+# the worker (order and record) with a one-phase COMMIT in its pre-commit
+# step, before the coordinator's commit, which can still fail or crash: the
+# record would stay without the ledger row, and the retry would replay an
+# operation whose coordinator-side effect was lost.  A transaction that
+# wrote on this node commits the other nodes' writes with two-phase commit.
+{
+	my $holder = holder($A);
+	coord(q{CREATE TABLE ledger (key text NOT NULL)});
+	my $gate = notify_gate('12');
+
+	my $app = frozen_commit('12', $holder, 'lg1', 80, q{INSERT INTO ledger VALUES ('lg1')});
+
+	crash_coordinator($gate, $app);
+	coord('SELECT recover_prepared_transactions()');
+	my $state = join ' ',
+	  coord(q{SELECT count(*) FROM orders WHERE key = 'lg1'}),
+	  coord(qq{SELECT count(*) FROM idem_citus.idem_replay($A, 'POST /orders:lg1')}),
+	  coord(q{SELECT count(*) FROM ledger WHERE key = 'lg1'});
+	ok($state eq '1 1 1' || $state eq '0 0 0',
+		"12: after the coordinator's crash the order, its record and the ledger row all exist or none (order record ledger: $state)");
+	is(on($holder, q{SELECT count(*) FROM pg_prepared_xacts}), '0',
+		'12: Citus\'s recovery resolved the worker\'s prepared part');
+	coord(q{DROP TABLE ledger});
 }
 
 # ---- The shell tables never got a row, on any node.

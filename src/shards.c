@@ -29,7 +29,10 @@
  * taking the lock, pending invalidations are read, so the map used is never
  * older than the lock.  A scope whose shard has no placement on this node
  * is refused with 40001: the call did not reach the node that holds it
- * (Citus did not delegate it, or the shard moved meanwhile).
+ * (Citus did not delegate it, or the shard moved meanwhile).  Records are
+ * found by the scope's text, so a scope that the tenant's type reads but
+ * writes otherwise ('042' for 42) is refused: it would be a second record
+ * of the same tenant and key.
  *
  * And at every commit: a transaction that wrote on this node has Citus
  * commit its writes on other nodes with two-phase commit, so that a record
@@ -92,8 +95,10 @@ typedef struct ShardMap
 	AttrNumber	dist_attno;		/* the distribution column */
 	bool		dist_is_key;	/* it is the table's text key (attribute 1) */
 	Oid			dist_collation;
-	Oid			typinput;		/* for a tenant column: its type's input function */
+	Oid			typid;			/* for a tenant column: its type */
+	Oid			typinput;		/* and that type's input and output functions */
 	Oid			typioparam;
+	Oid			typoutput;
 	int32		typmod;
 	FmgrInfo	hash;
 	int			nshards;
@@ -165,6 +170,7 @@ shard_map_column(ShardMap *map, Relation shell, AttrNumber attno)
 	TupleDesc	desc = RelationGetDescr(shell);
 	Form_pg_attribute att;
 	TypeCacheEntry *type;
+	bool		varlena;
 
 	/* A node added after idem_citus_distribute has the extension's table only. */
 	if (attno < 1 || attno > desc->natts)
@@ -189,7 +195,9 @@ shard_map_column(ShardMap *map, Relation shell, AttrNumber attno)
 				 errhint("Undistribute the table and run idem_citus_distribute().")));
 	map->dist_collation = att->attcollation;
 	map->typmod = att->atttypmod;
+	map->typid = att->atttypid;
 	getTypeInputInfo(att->atttypid, &map->typinput, &map->typioparam);
+	getTypeOutputInfo(att->atttypid, &map->typoutput, &varlena);
 	type = lookup_type_cache(att->atttypid, TYPECACHE_HASH_PROC_FINFO);
 	if (!OidIsValid(type->hash_proc))
 		elog(ERROR, "type %u of the distribution column has no hash function", att->atttypid);
@@ -375,6 +383,31 @@ shard_find_relation(ShardMap *map, ShardEntry *s, Oid pkey)
 }
 
 /*
+ * Refuse a scope (an inbox's source) that is not the text the tenant
+ * column's type writes for its value ('042' or '+42' for the bigint 42, an
+ * uppercase uuid): records are found by the scope's text, so another
+ * spelling of a tenant would be another record of the same key, and the
+ * operation would execute once per spelling.
+ */
+static void
+shard_check_canonical(ShardMap *map, text *value, Datum d)
+{
+	char	   *canonical = OidOutputFunctionCall(map->typoutput, d);
+	int			len = strlen(canonical);
+
+	if (len != VARSIZE_ANY_EXHDR(value) || memcmp(canonical, VARDATA_ANY(value), len) != 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("scope \"%s\" is not the canonical text of its tenant",
+						text_to_cstring(value)),
+				 errdetail("Citus distributes idempotency.%s by a tenant of type %s, which writes this tenant as \"%s\". A record is found by the scope's text, so a tenant must always be written the same way.",
+						   get_rel_name(map->relid), format_type_be(map->typid), canonical),
+				 errhint("Pass the scope as \"%s\", or call the functions of schema idem_citus with a %s.",
+						 canonical, format_type_be(map->typid))));
+	pfree(canonical);
+}
+
+/*
  * Which relation holds the rows of value (a scope, or an inbox's source) of
  * table relid, whose primary key is pkey: the table itself, or -- when Citus
  * distributes it -- the local shard of value's hash, with the shard's
@@ -400,7 +433,11 @@ shard_resolve(Oid relid, Oid pkey, text *value, ShardTarget *target)
 		Datum		d = shard_dist_datum(map->typinput, map->typioparam, map->typmod,
 										 map->dist_is_key, value);
 		int32		hash = DatumGetInt32(FunctionCall1Coll(&map->hash, map->dist_collation, d));
-		int			now_idx = shard_index_of(map, hash);
+		int			now_idx;
+
+		if (!map->dist_is_key)
+			shard_check_canonical(map, value, d);
+		now_idx = shard_index_of(map, hash);
 
 		if (now_idx != idx)
 		{

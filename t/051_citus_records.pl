@@ -40,7 +40,9 @@
 #     order and record are written on a worker commits with them or not at
 #     all, through a coordinator crash after the worker committed;
 # 12. so does a write to a plain table of the coordinator in such a
-#     transaction.
+#     transaction;
+# 13. a scope that is another spelling of a tenant ('042' for 42) is refused
+#     with 22023, and nothing is written.
 #
 # Skipped when Citus is not installed.
 use strict;
@@ -781,6 +783,32 @@ sub crash_coordinator
 	is(on($holder, q{SELECT count(*) FROM pg_prepared_xacts}), '0',
 		'12: Citus\'s recovery resolved the worker\'s prepared part');
 	coord(q{DROP TABLE ledger});
+}
+
+# ---- 13. One tenant, one spelling.  Records are found by the scope's text,
+# so a scope that the tenant's type reads as tenant A but writes otherwise
+# ('0' || A, ' ' || A) would be a second record of the same key, and the
+# operation would execute once per spelling.  On the node that holds A's
+# shard (where the text functions run locally, as inside a delegated
+# function), such a scope is refused, and nothing is written.
+{
+	my $holder = holder($A);
+	for my $spelling ("0$A", " $A", "+$A")
+	{
+		my ($out, $err) = ('', '');
+		$holder->psql($cluster->dbname, qq{\\set VERBOSITY verbose
+			BEGIN; SELECT outcome FROM idem_claim('$spelling', 'POST /orders:sp1', '{}');
+			SELECT idem_succeed('$spelling', 'POST /orders:sp1', 201, '{}'); COMMIT;},
+			stdout => \$out, stderr => \$err, on_error_stop => 1);
+		like($err, qr/ERROR:  22023: scope "\Q$spelling\E" is not the canonical text of its tenant/,
+			"13: scope '$spelling' of tenant $A is refused with 22023");
+	}
+	like( on($holder, qq{BEGIN; SELECT outcome FROM idem_claim('$A', 'POST /orders:sp1', '{}');
+			SELECT idem_succeed('$A', 'POST /orders:sp1', 201, '{}'); COMMIT;}),
+		qr/^claimed$/m, '13: the tenant written canonically is claimed');
+	is( coord(q{SELECT count(*) FROM idempotency.records WHERE key = 'POST /orders:sp1'}) . ' / '
+		  . where_rows('idempotency.records', $A, q{key = 'POST /orders:sp1'}),
+		'1 / ' . only_on($holder, 1), '13: one record of the key, in the holder\'s shard');
 }
 
 # ---- The shell tables never got a row, on any node.

@@ -235,9 +235,16 @@ BEGIN
 	EXECUTE pg_catalog.format('ALTER TABLE %s ADD COLUMN tenant %s%s', rel, want_type,
 							  CASE WHEN want_coll IS NULL THEN ''
 								   ELSE ' COLLATE ' OPERATOR(pg_catalog.||) want_coll::text END);
-	-- The scope read as the tenant type, as Citus reads a delegated call's first argument.
+	/*
+	 * The scope read as the tenant type, as Citus reads a delegated call's
+	 * first argument, and written back as that type writes it: the library
+	 * finds a record only by the canonical text of its tenant ('42', not
+	 * '042'; a uuid in lower case).  Two records of one key under two
+	 * spellings of a tenant collide here (23505): one of them must go first.
+	 */
 	IF NOT distributed_here THEN
-		EXECUTE pg_catalog.format('UPDATE %s SET tenant = %I::%s', rel, key_column, want_type);
+		EXECUTE pg_catalog.format('UPDATE %s SET tenant = %I::%s, %I = (%I::%s)::pg_catalog.text',
+								  rel, key_column, want_type, key_column, key_column, want_type);
 	END IF;
 	EXECUTE pg_catalog.format('ALTER TABLE %s ALTER COLUMN tenant SET NOT NULL', rel);
 	EXECUTE pg_catalog.format('ALTER TABLE %s DROP CONSTRAINT %I, ADD CONSTRAINT %I PRIMARY KEY (%I, %I, tenant)',
@@ -305,7 +312,13 @@ BEGIN
 				  HINT := 'Pass a tenant table distributed by its tenant column, e.g. after SELECT create_distributed_table(''orders'', ''tenant_id'').';
 	END IF;
 	/* The functions Citus can delegate by this tenant type: their first argument's type. */
-	SELECT CASE WHEN t.typcategory OPERATOR(pg_catalog.=) 'S' THEN 'pg_catalog.text'::pg_catalog.regtype
+	/*
+	 * Only types whose equality is equality of the text they write: a record
+	 * is found by the scope's text, so a type that calls two spellings equal
+	 * (citext) or pads them (char(n)) would give one tenant several records.
+	 */
+	SELECT CASE WHEN t.oid OPERATOR(pg_catalog.=) ANY (ARRAY['pg_catalog.text',
+						'pg_catalog.varchar']::pg_catalog.regtype[]) THEN 'pg_catalog.text'::pg_catalog.regtype
 				WHEN t.oid OPERATOR(pg_catalog.=) ANY (ARRAY['pg_catalog.int8', 'pg_catalog.int4',
 						'pg_catalog.int2']::pg_catalog.regtype[]) THEN 'pg_catalog.int8'::pg_catalog.regtype
 				WHEN t.oid OPERATOR(pg_catalog.=) 'pg_catalog.uuid'::pg_catalog.regtype

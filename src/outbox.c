@@ -57,6 +57,7 @@
 #include "lockhash.h"
 #include "outbox.h"
 #include "records.h"
+#include "shards.h"
 #include "stats.h"
 #include "relay.h"
 
@@ -620,6 +621,8 @@ idem_publish(PG_FUNCTION_ARGS)
 		headers = PG_GETARG_JSONB_P(3);
 		outbox_check_headers(headers, "event headers");
 	}
+	/* On Citus: the event commits with what this transaction wrote on workers. */
+	shard_commit_with_2pc();
 	size = VARSIZE(payload) + (headers != NULL ? VARSIZE(headers) : 0);
 	if (size > (Size) outbox_max_event_bytes)
 		ereport(ERROR,

@@ -34,9 +34,11 @@
  * writes otherwise ('042' for 42) is refused: it would be a second record
  * of the same tenant and key.
  *
- * And at every commit: a transaction that wrote on this node has Citus
- * commit its writes on other nodes with two-phase commit, so that a record
- * on a worker never outlives a coordinator-side write of its transaction.
+ * And an event published on this node, or with
+ * idempotency.citus_atomic_local_writes any write on this node, has Citus
+ * commit the transaction's writes on other nodes with two-phase commit, so
+ * that a record on a worker never outlives a coordinator-side write of its
+ * transaction.
  *
  * Without Citus, or while the table is not distributed, shard_resolve
  * returns the table itself, at the cost of one flag test.
@@ -66,6 +68,7 @@
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
+#include "utils/guc.h"
 #include "utils/snapmgr.h"
 #include "utils/typcache.h"
 
@@ -108,6 +111,9 @@ typedef struct ShardMap
 
 static void shard_xact_callback(XactEvent event, void *arg);
 
+/* idempotency.citus_atomic_local_writes */
+static bool shard_atomic_local_writes = false;
+
 /* records and inbox; a slot is taken by the first table that asks. */
 #define SHARD_MAX_MAPS 4
 static ShardMap shard_maps[SHARD_MAX_MAPS];
@@ -126,6 +132,13 @@ shard_relcache_callback(Datum arg, Oid relid)
 void
 ShardsInit(void)
 {
+	DefineCustomBoolVariable("idempotency.citus_atomic_local_writes",
+							 "On Citus, whether a transaction that wrote on this node commits its writes on other nodes with two-phase commit.",
+							 "On: a coordinator-side write commits with the records that delegated calls stored on a worker, or not at all; a worker that used NOTIFY or temporary objects in it then cannot prepare, and the commit fails. Off: only events published on this node are committed that way.",
+							 &shard_atomic_local_writes,
+							 false,
+							 PGC_USERSET, 0,
+							 NULL, NULL, NULL);
 	CacheRegisterRelcacheCallback(shard_relcache_callback, (Datum) 0);
 	RegisterXactCallback(shard_xact_callback, NULL);
 }
@@ -603,22 +616,21 @@ shard_run_on_workers(const char *command, const char *what)
 
 /*
  * Make Citus commit this transaction's writes on other nodes with two-phase
- * commit, if Citus is loaded (it is preloaded wherever it runs) and this
- * node wrote too.  Citus commits a transaction that changed a single other
- * node with a one-phase COMMIT of that node, first, in its pre-commit step:
- * it does not see what this node wrote to plain tables or straight to the
- * heap (the extension's records and events).  A crash of this node, or an
- * error of its own commit after that step (a serialization failure of
- * SERIALIZABLE, say), would then keep the other node's writes without this
- * node's: a record stored on a worker next to a coordinator-side write that
- * was lost, and the retry answered as if the operation had taken effect.
- * With two-phase commit the other node only prepares, and Citus's recovery
- * resolves its prepared transaction as this node's commit went.  A no-op
- * outside a Citus distributed transaction, and when it wrote on no other
- * node; so the delegated calls the README recommends, which write only on
- * the tenant's worker, keep their one-phase commit.
+ * commit, if Citus is loaded (it is preloaded wherever it runs).  Citus
+ * commits a transaction that changed a single other node with a one-phase
+ * COMMIT of that node, first, in its pre-commit step: it does not see what
+ * this node wrote to plain tables or straight to the heap (the extension's
+ * events).  A crash of this node, or an error of its own commit after that
+ * step (a serialization failure of SERIALIZABLE, say), would then keep the
+ * other node's writes without this node's: an order and its record on a
+ * worker without the event published here.  With two-phase commit the other
+ * node only prepares, and Citus's recovery resolves its prepared
+ * transaction as this node's commit went.  A no-op outside a Citus
+ * distributed transaction, and when it wrote on no other node.  (The other
+ * node cannot prepare a transaction that used NOTIFY or temporary objects:
+ * the commit then fails.)
  */
-static void
+void
 shard_commit_with_2pc(void)
 {
 	static bool looked_up = false;
@@ -636,13 +648,18 @@ shard_commit_with_2pc(void)
 
 /*
  * At pre-commit, before Citus's own pre-commit step (Citus is loaded first,
- * and a callback registered later runs earlier): a transaction that wrote
- * on this node commits its writes on other nodes with two-phase commit.
+ * and a callback registered later runs earlier): with
+ * idempotency.citus_atomic_local_writes, a transaction that wrote on this
+ * node (a plain table of the coordinator next to delegated claims, say)
+ * commits its writes on other nodes with two-phase commit.  Not by default:
+ * it would also make every such transaction of the database that used
+ * NOTIFY or temporary objects on a worker fail at commit.
  */
 static void
 shard_xact_callback(XactEvent event, void *arg)
 {
-	if ((event == XACT_EVENT_PRE_COMMIT || event == XACT_EVENT_PARALLEL_PRE_COMMIT) &&
+	if (shard_atomic_local_writes &&
+		(event == XACT_EVENT_PRE_COMMIT || event == XACT_EVENT_PARALLEL_PRE_COMMIT) &&
 		TransactionIdIsValid(GetTopTransactionIdIfAny()))
 		shard_commit_with_2pc();
 }

@@ -39,6 +39,7 @@ extern bool shard_has_tenant_column(Relation rel, int natts);
 extern Datum shard_tenant_value(Relation rel, int natts, text *value);
 extern bool shard_citus_coordinator(void);
 extern void shard_run_on_workers(const char *command, const char *what);
+extern void shard_commit_with_2pc(void);
 extern int32 shard_local_group(void);
 
 #endif							/* IDEM_SHARDS_H */

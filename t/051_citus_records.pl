@@ -40,9 +40,12 @@
 #     order and record are written on a worker commits with them or not at
 #     all, through a coordinator crash after the worker committed;
 # 12. so does a write to a plain table of the coordinator in such a
-#     transaction;
+#     transaction, with idempotency.citus_atomic_local_writes;
 # 13. a scope that is another spelling of a tenant ('042' for 42) is refused
-#     with 22023, and nothing is written.
+#     with 22023, and nothing is written;
+# 14. citext and char(n) tenants are refused; records and inbox marks that
+#     idem_citus_distribute moves into the shards get their tenant's
+#     canonical text.
 #
 # Skipped when Citus is not installed.
 use strict;
@@ -674,7 +677,8 @@ sub notify_gate
 	return $gate;
 }
 
-# For blocks 11 and 12: a client transaction on the coordinator that claims
+# For blocks 11 and 12: a client transaction on the coordinator (after
+# $setup, if given) that claims
 # tenant A's key POST /orders:$key, writes its order (on $holder, A's
 # worker), runs $write on the coordinator, notifies and stores the
 # response; its COMMIT stops at the NOTIFY queue (notify_gate), after
@@ -682,8 +686,9 @@ sub notify_gate
 # not committed it.  Returns the session, its COMMIT still waiting.
 sub frozen_commit
 {
-	my ($n, $holder, $key, $amount, $write) = @_;
+	my ($n, $holder, $key, $amount, $write, $setup) = @_;
 	my $app = $coord->background_psql($cluster->dbname, on_error_stop => 0);
+	$app->query_safe($setup) if defined $setup;
 	$app->query_safe('BEGIN');
 	is( $app->query_safe(qq{SELECT outcome FROM idem_citus.idem_claim($A, 'POST /orders:$key', '{"amount": $amount}')}),
 		'claimed', "$n: the client transaction claims the key");
@@ -763,14 +768,17 @@ sub crash_coordinator
 # the worker (order and record) with a one-phase COMMIT in its pre-commit
 # step, before the coordinator's commit, which can still fail or crash: the
 # record would stay without the ledger row, and the retry would replay an
-# operation whose coordinator-side effect was lost.  A transaction that
-# wrote on this node commits the other nodes' writes with two-phase commit.
+# operation whose coordinator-side effect was lost.  With
+# idempotency.citus_atomic_local_writes (not the default: see the README), a
+# transaction that wrote on this node commits the other nodes' writes with
+# two-phase commit.
 {
 	my $holder = holder($A);
 	coord(q{CREATE TABLE ledger (key text NOT NULL)});
 	my $gate = notify_gate('12');
 
-	my $app = frozen_commit('12', $holder, 'lg1', 80, q{INSERT INTO ledger VALUES ('lg1')});
+	my $app = frozen_commit('12', $holder, 'lg1', 80, q{INSERT INTO ledger VALUES ('lg1')},
+		'SET idempotency.citus_atomic_local_writes = on');
 
 	crash_coordinator($gate, $app);
 	coord('SELECT recover_prepared_transactions()');
@@ -809,6 +817,57 @@ sub crash_coordinator
 	is( coord(q{SELECT count(*) FROM idempotency.records WHERE key = 'POST /orders:sp1'}) . ' / '
 		  . where_rows('idempotency.records', $A, q{key = 'POST /orders:sp1'}),
 		'1 / ' . only_on($holder, 1), '13: one record of the key, in the holder\'s shard');
+}
+
+# ---- 14. Tenant types and the records that idem_citus_distribute moves.
+# In a database of its own on the three nodes: a citext or char(n) tenant
+# is refused (0A000): citext calls two spellings one tenant and char(n)
+# pads them, and records are found by the scope's text.  And records and
+# inbox marks made on the coordinator before distribution, under a uuid
+# tenant written in upper case, are moved into the shards under the
+# tenant's canonical text: the canonical call replays the operation and
+# refuses the message again instead of executing them a second time.
+{
+	my $db = 'types';
+	for my $node ($cluster->nodes)
+	{
+		$node->safe_psql('postgres', qq{CREATE DATABASE $db});
+		$node->safe_psql($db, 'CREATE EXTENSION citus');
+	}
+	$coord->safe_psql($db, sprintf("SELECT citus_set_coordinator_host('%s', %d)", $coord->host, $coord->port));
+	$coord->safe_psql($db, sprintf("SELECT citus_add_node('%s', %d)", $_->host, $_->port)) for @workers;
+	$coord->safe_psql($db, q{CREATE EXTENSION idempotency; CREATE EXTENSION citext;});
+	for my $type ('citext', 'character(5)')
+	{
+		my ($out, $err) = ('', '');
+		$coord->psql($db, qq{\\set VERBOSITY verbose
+			CREATE TABLE t_orders (tenant_id $type NOT NULL, id int NOT NULL);
+			SELECT create_distributed_table('t_orders', 'tenant_id');
+			SELECT idem_citus_distribute('t_orders');},
+			stdout => \$out, stderr => \$err, on_error_stop => 1);
+		like($err, qr/ERROR:  0A000: tenant columns of type (?:public\.)?\Q$type\E are not supported/,
+			"14: a $type tenant is refused with 0A000");
+		$coord->safe_psql($db, q{DROP TABLE t_orders});
+	}
+	my $upper = '3F0C1E2A-0000-4000-8000-000000000001';
+	$coord->safe_psql($db, qq{
+		CREATE TABLE t_orders (tenant_id uuid NOT NULL, id int NOT NULL);
+		SELECT create_distributed_table('t_orders', 'tenant_id');
+		BEGIN;
+		SELECT outcome FROM idem_claim('$upper', 'pay-1', '{"amount": 10}');
+		SELECT idem_succeed('$upper', 'pay-1', 201, '{"payment": 7}');
+		COMMIT;
+		SELECT idem_inbox_accept('$upper', 'msg-1');
+		SELECT idem_citus_distribute('t_orders');});
+	my $canonical = lc $upper;
+	is( $coord->safe_psql($db, qq{SELECT state, body FROM idem_citus.idem_replay('$canonical'::uuid, 'pay-1')}),
+		'completed|{"payment": 7}', '14: the record moved into the shards under the canonical tenant replays');
+	is( $coord->safe_psql($db, qq{SELECT outcome FROM idem_citus.idem_claim('$canonical'::uuid, 'pay-1', '{"amount": 10}')}),
+		'replay', '14: its canonical claim replays, not executes again');
+	is( $coord->safe_psql($db, qq{SELECT idem_citus.idem_inbox_accept('$canonical'::uuid, 'msg-1')}),
+		'f', '14: the inbox mark moved too: the message is refused again');
+	is( $coord->safe_psql($db, q{SELECT string_agg(scope, ',') FROM idempotency.records}),
+		$canonical, '14: one record, under the canonical text of its tenant');
 }
 
 # ---- The shell tables never got a row, on any node.

@@ -65,10 +65,10 @@
 #include "storage/lock.h"
 #include "lib/stringinfo.h"
 #include "utils/builtins.h"
+#include "utils/guc.h"
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
-#include "utils/guc.h"
 #include "utils/snapmgr.h"
 #include "utils/typcache.h"
 

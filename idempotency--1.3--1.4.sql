@@ -311,11 +311,12 @@ BEGIN
 			USING ERRCODE := 'invalid_parameter_value',
 				  HINT := 'Pass a tenant table distributed by its tenant column, e.g. after SELECT create_distributed_table(''orders'', ''tenant_id'').';
 	END IF;
-	/* The functions Citus can delegate by this tenant type: their first argument's type. */
 	/*
-	 * Only types whose equality is equality of the text they write: a record
-	 * is found by the scope's text, so a type that calls two spellings equal
-	 * (citext) or pads them (char(n)) would give one tenant several records.
+	 * The functions Citus can delegate by this tenant type: their first
+	 * argument's type.  Only types whose equality is equality of the text
+	 * they write: a record is found by the scope's text, so a type that
+	 * calls two spellings equal (citext) or pads them (char(n)) would give
+	 * one tenant several records.
 	 */
 	SELECT CASE WHEN t.oid OPERATOR(pg_catalog.=) ANY (ARRAY['pg_catalog.text',
 						'pg_catalog.varchar']::pg_catalog.regtype[]) THEN 'pg_catalog.text'::pg_catalog.regtype

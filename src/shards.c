@@ -183,7 +183,7 @@ shard_map_column(ShardMap *map, Relation shell, AttrNumber attno)
 	TupleDesc	desc = RelationGetDescr(shell);
 	Form_pg_attribute att;
 	TypeCacheEntry *type;
-	bool		varlena;
+	bool		typisvarlena;
 
 	/* A node added after idem_citus_distribute has the extension's table only. */
 	if (attno < 1 || attno > desc->natts)
@@ -210,7 +210,7 @@ shard_map_column(ShardMap *map, Relation shell, AttrNumber attno)
 	map->typmod = att->atttypmod;
 	map->typid = att->atttypid;
 	getTypeInputInfo(att->atttypid, &map->typinput, &map->typioparam);
-	getTypeOutputInfo(att->atttypid, &map->typoutput, &varlena);
+	getTypeOutputInfo(att->atttypid, &map->typoutput, &typisvarlena);
 	type = lookup_type_cache(att->atttypid, TYPECACHE_HASH_PROC_FINFO);
 	if (!OidIsValid(type->hash_proc))
 		elog(ERROR, "type %u of the distribution column has no hash function", att->atttypid);

@@ -678,10 +678,9 @@ sub notify_gate
 }
 
 # For blocks 11 and 12: a client transaction on the coordinator (after
-# $setup, if given) that claims
-# tenant A's key POST /orders:$key, writes its order (on $holder, A's
-# worker), runs $write on the coordinator, notifies and stores the
-# response; its COMMIT stops at the NOTIFY queue (notify_gate), after
+# $setup, if given) that claims tenant A's key POST /orders:$key, writes
+# its order (on $holder, A's worker), runs $write on the coordinator,
+# notifies and stores the response; its COMMIT stops at the NOTIFY queue (notify_gate), after
 # Citus's pre-commit step, where the worker must have prepared its part,
 # not committed it.  Returns the session, its COMMIT still waiting.
 sub frozen_commit

@@ -409,7 +409,8 @@ REVOKE ALL ON FUNCTION idem_citus_distribute(pg_catalog.regclass) FROM PUBLIC;
  * idem_destination_sync(name, definition, resumed): on a worker of a Citus
  * cluster, make its outbox destination name the one the coordinator
  * describes (src/dest_sync.c).  The coordinator's destination commands call
- * it on every worker before they commit; not for direct use.
+ * it on every worker, as the extension's owner, before they commit; not for
+ * direct use.
  */
 CREATE FUNCTION idem_destination_sync(name text, definition jsonb, resumed boolean)
 RETURNS void
@@ -430,21 +431,29 @@ LANGUAGE C VOLATILE PARALLEL UNSAFE;
 REVOKE ALL ON FUNCTION idem_citus_send_destinations() FROM PUBLIC;
 
 /*
- * idem_stuck with its horizon computed once, in a subquery: on a Citus
- * coordinator, where idempotency.records is distributed, the subquery runs
- * on the coordinator with the session's idempotency.stuck_after, and the
- * shards are filtered by its result (the setting does not travel to the
- * workers).  The same rows as before on one server.
+ * idem_stuck reads the records through idempotency.stuck_records(), as the
+ * extension's owner, for a role that may read the view: on a Citus
+ * coordinator, where idempotency.records is distributed, Citus reads the
+ * shards on the workers over connections of the current role, and a
+ * monitoring role granted only the view has no access to the extension's
+ * schema there.  The function computes the horizon once, on the node the
+ * view is read on, with the session's idempotency.stuck_after (the setting
+ * does not travel to the workers).  Its EXECUTE stays with PUBLIC, as the
+ * view's readers call it; it refuses a role that may not read the view.
+ * The same rows as before on one server.
  */
+CREATE FUNCTION idempotency.stuck_records(OUT scope text, OUT key text, OUT token bigint,
+										  OUT recovery_point text, OUT owner_age interval,
+										  OUT lease_expired_for interval,
+										  OUT lease_expires_at timestamptz,
+										  OUT created_at timestamptz, OUT owner regrole)
+RETURNS SETOF record
+AS 'MODULE_PATHNAME', 'idem_stuck_records'
+LANGUAGE C STABLE PARALLEL UNSAFE;
+
 CREATE OR REPLACE VIEW idem_stuck AS
-SELECT scope, key, token, recovery_point,
-	   pg_catalog.now() OPERATOR(pg_catalog.-) coalesce(claimed_at, created_at) AS owner_age,
-	   pg_catalog.now() OPERATOR(pg_catalog.-) lease_expires_at AS lease_expired_for,
-	   lease_expires_at, created_at, owner
-  FROM idempotency.records
- WHERE state OPERATOR(pg_catalog.=) 'processing'
-   AND lease_expires_at OPERATOR(pg_catalog.<)
-	   (SELECT pg_catalog.now() OPERATOR(pg_catalog.-)
-			   coalesce(pg_catalog.current_setting('idempotency.stuck_after', true), '5min')::pg_catalog.interval);
+SELECT scope COLLATE pg_catalog."C" AS scope, key COLLATE pg_catalog."C" AS key, token,
+	   recovery_point, owner_age, lease_expired_for, lease_expires_at, created_at, owner
+  FROM idempotency.stuck_records();
 
 -- (end of Citus section)

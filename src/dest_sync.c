@@ -16,6 +16,9 @@
  * workers apply it in transactions of their own, so after such a failure
  * some may have it already; since what is sent is the whole definition,
  * running any command on that destination again makes every node agree.
+ * The workers apply it as the extension's owner: the command's privileges
+ * are checked on the coordinator, and a function destination keeps, on
+ * every node, the role that made it as the role its function runs as.
  *
  * What a node's relay learns about an endpoint (failures, circuit, pacing,
  * disabling after 410 or disable_after) stays that node's; a resume on the
@@ -32,6 +35,8 @@
 #include "executor/spi.h"
 #include "fmgr.h"
 #include "lib/stringinfo.h"
+#include "miscadmin.h"
+#include "utils/acl.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
 #include "utils/fmgroids.h"
@@ -96,7 +101,8 @@ dest_sync_note(text *name, bool resumed)
  * The definition of destination name on this node, as idem_destination_sync
  * takes it (a jsonb text), or NULL if it does not exist.  The secrets and
  * headers, which the table keeps apart from the other options, go back into
- * the options.
+ * the options; the role a function destination runs as goes by name (its
+ * OID is this node's).
  */
 static char *
 dest_sync_definition(const char *name)
@@ -112,6 +118,7 @@ dest_sync_definition(const char *name)
 	if (SPI_execute_with_args("SELECT jsonb_build_object('kind', kind, 'target', target,"
 							  "        'topics', topics::text, 'paused', paused,"
 							  "        'search_path', search_path,"
+							  "        'run_as', (SELECT rolname FROM pg_roles WHERE oid = run_as),"
 							  "        'options', options || jsonb_strip_nulls(jsonb_build_object("
 							  "            'secrets', to_jsonb(secrets), 'headers', headers)))::text"
 							  "  FROM idempotency.destinations WHERE name = $1",
@@ -128,18 +135,29 @@ dest_sync_definition(const char *name)
 	return definition;
 }
 
-/* Send the noted destinations to every worker (before this coordinator commits). */
+/* Send the noted destinations to every worker, as the extension's owner, before this coordinator commits. */
 static void
 dest_sync_send(void)
 {
 	List	   *notes = dest_notes;
 	ListCell   *lc;
 	char	   *schema;
+	OutboxOwnerState owner;
 
 	dest_notes = NIL;
 	if (notes == NIL || !shard_citus_coordinator())
 		return;
 	schema = get_namespace_name(get_extension_schema(get_extension_oid("idempotency", false)));
+
+	/*
+	 * The command's privileges were checked here; the workers apply its
+	 * result as the extension's owner, over the connections Citus opens for
+	 * that role, so that an operator granted only the command needs no
+	 * grant of idem_destination_sync on the workers (which would let it
+	 * make any destination there).  What runs as the role that made the
+	 * destination, a function destination's calls, carries that role along.
+	 */
+	outbox_become_owner(&owner);
 	foreach(lc, notes)
 	{
 		DestNote   *note = lfirst(lc);
@@ -154,6 +172,7 @@ dest_sync_send(void)
 		what = psprintf("sending outbox destination \"%s\"", note->name);
 		shard_run_on_workers(command, what);
 	}
+	outbox_restore_user(&owner);
 }
 
 /* Before commit (or prepare): the workers get the destinations changed here. */
@@ -265,6 +284,8 @@ idem_destination_sync(PG_FUNCTION_ARGS)
 	Datum		values[3];
 	char	   *kind;
 	char	   *target;
+	Oid			run_as;
+	bool		has_run_as;
 	JsonbValue *paused;
 	bool		exists;
 	char	   *here_kind = NULL;
@@ -306,18 +327,30 @@ idem_destination_sync(PG_FUNCTION_ARGS)
 
 	kind = dest_sync_text(definition, "kind");
 	target = dest_sync_text(definition, "target");
+	/* The role the destination runs as, which the coordinator sends; else the caller. */
+	has_run_as = dest_sync_field(definition, "run_as") != NULL;
+	run_as = has_run_as ? get_role_oid(dest_sync_text(definition, "run_as"), false) : GetUserId();
 	if (!exists)
 	{
 		int			save_nestlevel = NewGUCNestLevel();
+		Oid			save_userid;
+		int			save_sec_context;
 		Datum		topics;
 
-		/* A function destination resolves its target as on the coordinator. */
+		/*
+		 * A function destination resolves its target as on the coordinator,
+		 * and is made by the role it runs as there, which must be allowed to
+		 * call the function here too.
+		 */
 		(void) set_config_option("search_path", dest_sync_text(definition, "search_path"),
 								 PGC_USERSET, PGC_S_SESSION, GUC_ACTION_SAVE, true, 0, false);
 		topics = dest_sync_topics(definition);
+		GetUserIdAndSecContext(&save_userid, &save_sec_context);
+		SetUserIdAndSecContext(run_as, save_sec_context | SECURITY_LOCAL_USERID_CHANGE);
 		(void) DirectFunctionCall5(idem_destination_create, PointerGetDatum(name),
 								   CStringGetTextDatum(kind), CStringGetTextDatum(target),
 								   topics, dest_sync_jsonb(definition, "options"));
+		SetUserIdAndSecContext(save_userid, save_sec_context);
 		AtEOXact_GUC(true, save_nestlevel);
 	}
 	else
@@ -332,8 +365,12 @@ idem_destination_sync(PG_FUNCTION_ARGS)
 								   dest_sync_jsonb(definition, "options"));
 		argtypes[1] = TEXTARRAYOID;
 		values[1] = dest_sync_topics(definition);
-		(void) dest_sync_execute("UPDATE idempotency.destinations SET topics = $2 WHERE name = $1",
-								 2, argtypes, values);
+		argtypes[2] = OIDOID;
+		values[2] = ObjectIdGetDatum(run_as);
+		(void) dest_sync_execute(has_run_as ?
+								 "UPDATE idempotency.destinations SET topics = $2, run_as = $3 WHERE name = $1" :
+								 "UPDATE idempotency.destinations SET topics = $2 WHERE name = $1",
+								 has_run_as ? 3 : 2, argtypes, values);
 		argtypes[1] = TEXTOID;
 	}
 

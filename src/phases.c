@@ -29,12 +29,19 @@
 
 #include "access/genam.h"
 #include "access/table.h"
+#include "commands/extension.h"
+#include "executor/spi.h"
+#include "funcapi.h"
 #include "miscadmin.h"
+#include "utils/acl.h"
 #include "utils/builtins.h"
+#include "utils/lsyscache.h"
 #include "utils/snapmgr.h"
 
 #include "claims.h"
+#include "compat.h"
 #include "fingerprint.h"
+#include "outbox.h"
 #include "records.h"
 #include "stats.h"
 
@@ -404,4 +411,50 @@ idem_resolve_release(PG_FUNCTION_ARGS)
 	phase_store(rel, scope, key, &rec);
 	records_audit("release", scope, key, token_before, rec.token, &rec, note);
 	PG_RETURN_INT64(rec.token);
+}
+
+PG_FUNCTION_INFO_V1(idem_stuck_records);
+
+/*
+ * idempotency.stuck_records(): the rows of the idem_stuck view, for a role
+ * that may read the view, read as the extension's owner.  On a Citus
+ * coordinator the records are shards on the workers, which Citus reads over
+ * connections of the current role: a monitoring role granted only the view
+ * has no access to the extension's schema there.
+ */
+Datum
+idem_stuck_records(PG_FUNCTION_ARGS)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	Oid			view = get_relname_relid("idem_stuck",
+										 get_extension_schema(get_extension_oid("idempotency", false)));
+	OutboxOwnerState owner;
+
+	if (!OidIsValid(view) || pg_class_aclcheck(view, GetUserId(), ACL_SELECT) != ACLCHECK_OK)
+		aclcheck_error(ACLCHECK_NO_PRIV, OBJECT_VIEW, "idem_stuck");
+	InitMaterializedSRF(fcinfo, 0);
+
+	/*
+	 * The horizon is computed once, in a subquery: on a Citus coordinator it
+	 * runs there, with the session's idempotency.stuck_after (the setting
+	 * does not travel to the workers), and the shards are filtered by its
+	 * result.
+	 */
+	outbox_become_owner(&owner);
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+	if (SPI_execute("SELECT scope, key, token, recovery_point,"
+					"       now() - coalesce(claimed_at, created_at), now() - lease_expires_at,"
+					"       lease_expires_at, created_at, owner"
+					"  FROM idempotency.records"
+					" WHERE state = 'processing'"
+					"   AND lease_expires_at < (SELECT now() - coalesce(current_setting("
+					"           'idempotency.stuck_after', true), '5min')::interval)",
+					true, 0) != SPI_OK_SELECT)
+		elog(ERROR, "could not read the stuck operations");
+	for (uint64 i = 0; i < SPI_processed; i++)
+		tuplestore_puttuple(rsinfo->setResult, SPI_tuptable->vals[i]);
+	SPI_finish();
+	outbox_restore_user(&owner);
+	return (Datum) 0;
 }

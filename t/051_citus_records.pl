@@ -45,7 +45,11 @@
 #     with 22023, and nothing is written;
 # 14. citext and char(n) tenants are refused; records and inbox marks that
 #     idem_citus_distribute moves into the shards get their tenant's
-#     canonical text.
+#     canonical text;
+# 15. a monitoring role granted only SELECT on idem_stuck reads it from the
+#     coordinator, and an operator granted only destination commands runs
+#     them there: they reach every worker, and its function destination runs
+#     as the operator everywhere.
 #
 # Skipped when Citus is not installed.
 use strict;
@@ -179,6 +183,17 @@ sub coord_error
 	$coord->psql($cluster->dbname, "\\set VERBOSITY verbose\n$sql",
 		stdout => \$out, stderr => \$err, on_error_stop => 1);
 	return $err;
+}
+
+# What $sql prints on the coordinator, or its error if it fails: for checks
+# that must report a failure rather than stop the test.
+sub coord_try
+{
+	my ($sql) = @_;
+	my ($out, $err) = ('', '');
+	my $rc = $coord->psql($cluster->dbname, $sql, stdout => \$out, stderr => \$err,
+		on_error_stop => 1);
+	return $rc == 0 ? $out : $err;
 }
 
 # A query on a background session that must fail: its error (VERBOSITY
@@ -867,6 +882,60 @@ sub crash_coordinator
 		'f', '14: the inbox mark moved too: the message is refused again');
 	is( $coord->safe_psql($db, q{SELECT string_agg(scope, ',') FROM idempotency.records}),
 		$canonical, '14: one record, under the canonical text of its tenant');
+}
+
+# ---- 15. A monitor and an operator that are not superusers.
+# Granted on the coordinator only, as the README says: SELECT on idem_stuck
+# to a monitoring role, the destination commands to an operator.  Neither
+# may read the extension's tables or call idem_destination_sync, yet
+# idem_stuck lists the shards' stuck operations and the commands reach every
+# worker.  A function destination the operator creates runs as the operator
+# on every node, not as the role that takes the command to the workers; a
+# role without the grant is refused, on the coordinator, with 42501.
+{
+	coord(q{
+		CREATE ROLE monitor LOGIN;
+		CREATE ROLE ops LOGIN;
+		GRANT SELECT ON idem_stuck TO monitor;
+		GRANT EXECUTE ON FUNCTION idem_destination_create(text, text, text, text[], jsonb),
+			idem_destination_pause(text), idem_destination_drop(text) TO ops;});
+	my $token = coord(qq{SELECT token FROM idem_citus.idem_claim($A, 'POST /pay:stuck15', '{}', lease => '1 second')});
+	ok( poll_true($coord, q{
+			SET idempotency.stuck_after = 0;
+			SELECT count(*) = 1 FROM idem_stuck WHERE key = 'POST /pay:stuck15'}),
+		'15: the operation is stuck, as a superuser sees it');
+	is( coord_try(q{
+			SET ROLE monitor;
+			SET idempotency.stuck_after = 0;
+			SELECT scope || ' ' || key || ' ' || token FROM idem_stuck WHERE key = 'POST /pay:stuck15';}),
+		"$A POST /pay:stuck15 $token", '15: the monitoring role reads it from the workers\' shards');
+	like(coord_error(q{SET ROLE ops; SELECT count(*) FROM idem_stuck;}),
+		qr/ERROR:  42501: permission denied for view idem_stuck/,
+		'15: a role without SELECT on idem_stuck is refused');
+	like(coord_error(q{SET ROLE monitor; SELECT count(*) FROM idempotency.records;}),
+		qr/ERROR:  42501: permission denied for schema idempotency/,
+		'15: the monitoring role still cannot read the records');
+
+	is( coord_try(q{
+			SET ROLE ops;
+			SELECT 'created' FROM idem_destination_create('opsdest', 'function', 'fdest(jsonb)', '{ops.*}');}),
+		'created', '15: the operator creates a destination on the coordinator');
+	is_deeply([ map { on($_, q{SELECT run_as::regrole || ' ' || paused FROM idempotency.destinations WHERE name = 'opsdest'}) } $cluster->nodes ],
+		[ ('ops false') x 3 ],
+		'15: it is on every node, run as the operator');
+	coord_try(q{SET ROLE ops; SELECT idem_destination_pause('opsdest');});
+	is_deeply([ map { on($_, q{SELECT paused FROM idem_destinations WHERE name = 'opsdest'}) } $cluster->nodes ],
+		[ 't', 't', 't' ], '15: the operator\'s pause reaches every worker');
+	like(coord_error(q{SET ROLE ops; SELECT idem_destination_resume('opsdest');}),
+		qr/ERROR:  42501: permission denied for function idem_destination_resume/,
+		'15: a command the operator was not granted is refused');
+	like(coord_error(q{SET ROLE ops; SELECT idem_destination_sync('opsdest', NULL, false);}),
+		qr/ERROR:  42501: permission denied for function idem_destination_sync/,
+		'15: so is idem_destination_sync');
+	coord_try(q{SET ROLE ops; SELECT idem_destination_drop('opsdest');});
+	is_deeply([ map { on($_, q{SELECT count(*) FROM idem_destinations WHERE name = 'opsdest'}) } $cluster->nodes ],
+		[ '0', '0', '0' ], '15: the operator\'s drop reaches every worker');
+	coord(qq{SELECT idem_citus.idem_resolve_release($A, 'POST /pay:stuck15', 'test over')});
 }
 
 # ---- The shell tables never got a row, on any node.

@@ -588,13 +588,14 @@ shard_run_on_workers(const char *command, const char *what)
 	StringInfoData failures;
 	int			nfailed = 0;
 
+	/* Outside SPI's memory, which SPI_finish frees before the report. */
+	initStringInfo(&failures);
 	if (SPI_connect() != SPI_OK_CONNECT)
 		elog(ERROR, "SPI_connect failed");
 	if (SPI_execute_with_args("SELECT w.nodename, w.nodeport, w.result"
 							  "  FROM pg_catalog.run_command_on_workers($1) w WHERE NOT w.success",
 							  1, argtypes, values, NULL, false, 0) != SPI_OK_SELECT)
 		elog(ERROR, "could not run a command on the Citus workers");
-	initStringInfo(&failures);
 	for (uint64 i = 0; i < SPI_processed; i++)
 	{
 		HeapTuple	tup = SPI_tuptable->vals[i];

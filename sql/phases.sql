@@ -116,6 +116,17 @@ SET idempotency.stuck_after = 0;
 SELECT scope, key, token = :c4_t1 AS token_c4_t1, recovery_point, owner_age >= '0' AS has_owner_age,
        lease_expired_for >= '0' AS has_expired_for, owner = current_user::regrole AS mine
   FROM idem_stuck ORDER BY key;
+-- A monitoring role granted some of the view's columns reads those, as
+-- with any view; not the others, and not the function behind the view.
+CREATE ROLE idem_stuck_monitor;
+GRANT SELECT (scope, key, token) ON idem_stuck TO idem_stuck_monitor;
+SET ROLE idem_stuck_monitor;
+SELECT scope, key, token = :c4_t1 AS token_c4_t1 FROM idem_stuck ORDER BY key;
+SELECT show_error('SELECT owner FROM idem_stuck');
+SELECT show_error('SELECT * FROM idempotency.stuck_records()');
+RESET ROLE;
+REVOKE ALL ON idem_stuck FROM idem_stuck_monitor;
+DROP ROLE idem_stuck_monitor;
 RESET idempotency.stuck_after;
 
 -- An operator resolves c-4 with the outcome found at the provider: the token

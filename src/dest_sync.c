@@ -101,8 +101,8 @@ dest_sync_note(text *name, bool resumed)
  * The definition of destination name on this node, as idem_destination_sync
  * takes it (a jsonb text), or NULL if it does not exist.  The secrets and
  * headers, which the table keeps apart from the other options, go back into
- * the options; the role a function destination runs as goes by name (its
- * OID is this node's).
+ * the options.  The role a function destination runs as goes by name (its
+ * OID is this node's), null if it was dropped.
  */
 static char *
 dest_sync_definition(const char *name)
@@ -118,7 +118,8 @@ dest_sync_definition(const char *name)
 	if (SPI_execute_with_args("SELECT jsonb_build_object('kind', kind, 'target', target,"
 							  "        'topics', topics::text, 'paused', paused,"
 							  "        'search_path', search_path,"
-							  "        'run_as', (SELECT rolname FROM pg_roles WHERE oid = run_as),"
+							  "        'run_as', CASE WHEN kind = 'function' THEN"
+							  "            (SELECT rolname FROM pg_roles WHERE oid = run_as) END,"
 							  "        'options', options || jsonb_strip_nulls(jsonb_build_object("
 							  "            'secrets', to_jsonb(secrets), 'headers', headers)))::text"
 							  "  FROM idempotency.destinations WHERE name = $1",
@@ -284,12 +285,16 @@ idem_destination_sync(PG_FUNCTION_ARGS)
 	Datum		values[3];
 	char	   *kind;
 	char	   *target;
+	bool		is_function;
+	JsonbValue *run_as_field;
 	Oid			run_as;
-	bool		has_run_as;
 	JsonbValue *paused;
 	bool		exists;
 	char	   *here_kind = NULL;
 	char	   *here_target = NULL;
+	Oid			here_run_as = InvalidOid;
+	char	   *here_func = NULL;
+	bool		here_func_named = false;
 
 	if (PG_ARGISNULL(0))
 		ereport(ERROR,
@@ -300,19 +305,31 @@ idem_destination_sync(PG_FUNCTION_ARGS)
 
 	{
 		OutboxOwnerState owner;
+		MemoryContext outer = CurrentMemoryContext;
 
 		outbox_become_owner(&owner);
 		if (SPI_connect() != SPI_OK_CONNECT)
 			elog(ERROR, "SPI_connect failed");
-		if (SPI_execute_with_args("SELECT kind, target FROM idempotency.destinations"
-								  " WHERE name = $1 FOR UPDATE",
+		if (SPI_execute_with_args("SELECT kind, target, run_as,"
+								  "       func::regprocedure::text,"
+								  "       CASE WHEN kind = 'function' THEN func = to_regprocedure(target) END"
+								  "  FROM idempotency.destinations WHERE name = $1 FOR UPDATE",
 								  1, argtypes, values, NULL, false, 1) != SPI_OK_SELECT)
 			elog(ERROR, "could not read the outbox destinations");
 		exists = SPI_processed == 1;
 		if (exists)
 		{
-			here_kind = SPI_getvalue(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1);
-			here_target = SPI_getvalue(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 2);
+			HeapTuple	tup = SPI_tuptable->vals[0];
+			TupleDesc	desc = SPI_tuptable->tupdesc;
+			char	   *func = SPI_getvalue(tup, desc, 4);
+			bool		isnull;
+
+			/* SPI_finish frees what SPI_getvalue returns: copies outlive it. */
+			here_kind = MemoryContextStrdup(outer, SPI_getvalue(tup, desc, 1));
+			here_target = MemoryContextStrdup(outer, SPI_getvalue(tup, desc, 2));
+			here_run_as = DatumGetObjectId(SPI_getbinval(tup, desc, 3, &isnull));
+			here_func = func ? MemoryContextStrdup(outer, func) : NULL;
+			here_func_named = DatumGetBool(SPI_getbinval(tup, desc, 5, &isnull)) && !isnull;
 		}
 		SPI_finish();
 		outbox_restore_user(&owner);
@@ -327,9 +344,20 @@ idem_destination_sync(PG_FUNCTION_ARGS)
 
 	kind = dest_sync_text(definition, "kind");
 	target = dest_sync_text(definition, "target");
-	/* The role the destination runs as, which the coordinator sends; else the caller. */
-	has_run_as = dest_sync_field(definition, "run_as") != NULL;
-	run_as = has_run_as ? get_role_oid(dest_sync_text(definition, "run_as"), false) : GetUserId();
+	is_function = strcmp(kind, "function") == 0;
+
+	/*
+	 * The role a function destination runs as: the coordinator sends it by
+	 * name, or null when that role was dropped there; a definition without
+	 * it (a superuser's own call) means the caller.
+	 */
+	run_as_field = dest_sync_field(definition, "run_as");
+	if (!is_function || run_as_field == NULL)
+		run_as = GetUserId();
+	else if (run_as_field->type == jbvNull)
+		run_as = InvalidOid;
+	else
+		run_as = get_role_oid(dest_sync_text(definition, "run_as"), false);
 	if (!exists)
 	{
 		int			save_nestlevel = NewGUCNestLevel();
@@ -342,6 +370,12 @@ idem_destination_sync(PG_FUNCTION_ARGS)
 		 * and is made by the role it runs as there, which must be allowed to
 		 * call the function here too.
 		 */
+		if (!OidIsValid(run_as))
+			ereport(ERROR,
+					(errcode(ERRCODE_UNDEFINED_OBJECT),
+					 errmsg("the role that created destination \"%s\" no longer exists",
+							text_to_cstring(name)),
+					 errhint("Drop the destination and create it again.")));
 		(void) set_config_option("search_path", dest_sync_text(definition, "search_path"),
 								 PGC_USERSET, PGC_S_SESSION, GUC_ACTION_SAVE, true, 0, false);
 		topics = dest_sync_topics(definition);
@@ -361,16 +395,35 @@ idem_destination_sync(PG_FUNCTION_ARGS)
 					 errmsg("destination \"%s\" on this node is a %s destination to %s, not a %s destination to %s",
 							text_to_cstring(name), here_kind, here_target, kind, target),
 					 errhint("Drop it on this node first.")));
+
+		/*
+		 * Nor is a function destination of this node's own that would run
+		 * otherwise than the coordinator's: as another role, or another
+		 * function than its target names now (one renamed since, say).
+		 */
+		if (is_function && OidIsValid(run_as) && here_run_as != run_as)
+		{
+			char	   *here_role = GetUserNameFromId(here_run_as, true);
+
+			ereport(ERROR,
+					(errcode(ERRCODE_DUPLICATE_OBJECT),
+					 errmsg("destination \"%s\" on this node runs as role \"%s\", not as \"%s\"",
+							text_to_cstring(name), here_role ? here_role : "(dropped)",
+							GetUserNameFromId(run_as, false)),
+					 errhint("Drop it on this node first.")));
+		}
+		if (is_function && !here_func_named)
+			ereport(ERROR,
+					(errcode(ERRCODE_DUPLICATE_OBJECT),
+					 errmsg("destination \"%s\" on this node calls %s, not %s",
+							text_to_cstring(name), here_func, target),
+					 errhint("Drop it on this node first.")));
 		(void) DirectFunctionCall2(idem_destination_alter, PointerGetDatum(name),
 								   dest_sync_jsonb(definition, "options"));
 		argtypes[1] = TEXTARRAYOID;
 		values[1] = dest_sync_topics(definition);
-		argtypes[2] = OIDOID;
-		values[2] = ObjectIdGetDatum(run_as);
-		(void) dest_sync_execute(has_run_as ?
-								 "UPDATE idempotency.destinations SET topics = $2, run_as = $3 WHERE name = $1" :
-								 "UPDATE idempotency.destinations SET topics = $2 WHERE name = $1",
-								 has_run_as ? 3 : 2, argtypes, values);
+		(void) dest_sync_execute("UPDATE idempotency.destinations SET topics = $2 WHERE name = $1",
+								 2, argtypes, values);
 		argtypes[1] = TEXTOID;
 	}
 

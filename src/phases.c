@@ -420,7 +420,9 @@ PG_FUNCTION_INFO_V1(idem_stuck_records);
  * that may read the view, read as the extension's owner.  On a Citus
  * coordinator the records are shards on the workers, which Citus reads over
  * connections of the current role: a monitoring role granted only the view
- * has no access to the extension's schema there.
+ * has no access to the extension's schema there.  The role checked is the
+ * one the query runs as, so a view of the DBA's over idem_stuck answers
+ * only roles that may read idem_stuck themselves.
  */
 Datum
 idem_stuck_records(PG_FUNCTION_ARGS)
@@ -430,7 +432,10 @@ idem_stuck_records(PG_FUNCTION_ARGS)
 										 get_extension_schema(get_extension_oid("idempotency", false)));
 	OutboxOwnerState owner;
 
-	if (!OidIsValid(view) || pg_class_aclcheck(view, GetUserId(), ACL_SELECT) != ACLCHECK_OK)
+	/* SELECT on the view, or on some of its columns, as for reading the view. */
+	if (!OidIsValid(view) ||
+		(pg_class_aclcheck(view, GetUserId(), ACL_SELECT) != ACLCHECK_OK &&
+		 pg_attribute_aclcheck_all(view, GetUserId(), ACL_SELECT, ACLMASK_ANY) != ACLCHECK_OK))
 		aclcheck_error(ACLCHECK_NO_PRIV, OBJECT_VIEW, "idem_stuck");
 	InitMaterializedSRF(fcinfo, 0);
 

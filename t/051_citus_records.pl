@@ -49,7 +49,11 @@
 # 15. a monitoring role granted only SELECT on idem_stuck reads it from the
 #     coordinator, and an operator granted only destination commands runs
 #     them there: they reach every worker, and its function destination runs
-#     as the operator everywhere.
+#     as the operator everywhere;
+# 16. a worker's own function destination that would run as another role or
+#     call another function is not taken over by the coordinator's of the
+#     same name; destinations whose creator was dropped are still paused
+#     everywhere.
 #
 # Skipped when Citus is not installed.
 use strict;
@@ -936,6 +940,60 @@ sub crash_coordinator
 	is_deeply([ map { on($_, q{SELECT count(*) FROM idem_destinations WHERE name = 'opsdest'}) } $cluster->nodes ],
 		[ '0', '0', '0' ], '15: the operator\'s drop reaches every worker');
 	coord(qq{SELECT idem_citus.idem_resolve_release($A, 'POST /pay:stuck15', 'test over')});
+}
+
+# ---- 16. A worker's own destination, and a creator that is gone.
+# A destination made on a worker itself is not taken over by the
+# coordinator's destination of the same name when they would run
+# differently: a function destination that runs as another role, or whose
+# target now names another function than the one it calls (renamed since),
+# is refused, and the worker's copy is left as it was.  And a destination
+# whose creator was dropped can still be paused everywhere.
+{
+	my ($w1) = @workers;
+	on($w1, q{
+		GRANT EXECUTE ON FUNCTION idem_destination_create(text, text, text, text[], jsonb) TO ops;
+		SET ROLE ops;
+		SELECT idem_destination_create('w1own', 'function', 'fdest(jsonb)', '{w1.*}');});
+	like(coord_try(q{SELECT idem_destination_create('w1own', 'function', 'fdest(jsonb)', '{w1.*}')}),
+		qr/ERROR:  sending outbox destination "w1own" failed on 1 Citus worker.*destination "w1own" on this node runs as role "ops", not as "postgres"/s,
+		'16: a worker\'s function destination that runs as another role is not taken over');
+	is( on($w1, q{SELECT run_as::regrole || ' ' || array_to_string(topics, ',') FROM idempotency.destinations WHERE name = 'w1own'}),
+		'ops w1.*', '16: and it still runs as its creator');
+
+	on($w1, q{
+		SET citus.enable_ddl_propagation = off;
+		CREATE FUNCTION fsink(event jsonb) RETURNS void LANGUAGE sql AS 'SELECT NULL';
+		SELECT idem_destination_create('w1fn', 'function', 'fsink(jsonb)', '{w1.*}');
+		ALTER FUNCTION fsink(jsonb) RENAME TO fsink_renamed;});
+	coord(q{CREATE FUNCTION fsink(event jsonb) RETURNS void LANGUAGE sql AS 'SELECT NULL'});
+	like(coord_try(q{SELECT idem_destination_create('w1fn', 'function', 'fsink(jsonb)', '{w1.*}')}),
+		qr/ERROR:  sending outbox destination "w1fn" failed on 1 Citus worker.*destination "w1fn" on this node calls public\.fsink_renamed\(jsonb\), not public\.fsink\(pg_catalog\.jsonb\)/s,
+		'16: a worker\'s function destination that calls another function than its target names is not taken over');
+	is( on($w1, q{SELECT func::regproc FROM idempotency.destinations WHERE name = 'w1fn'}),
+		'fsink_renamed', '16: and it still calls that function');
+
+	coord(q{
+		CREATE ROLE gone;
+		GRANT EXECUTE ON FUNCTION idem_destination_create(text, text, text, text[], jsonb) TO gone;
+		SET ROLE gone;
+		SELECT idem_destination_create('gonenotify', 'notify', 'gone_channel', '{gone.*}');
+		SELECT idem_destination_create('gonefn', 'function', 'fdest(jsonb)', '{gone.*}');
+		RESET ROLE;
+		REVOKE EXECUTE ON FUNCTION idem_destination_create(text, text, text, text[], jsonb) FROM gone;
+		DROP ROLE gone;});
+	is( coord_try(q{
+			SELECT 'paused' FROM idem_destination_pause('gonenotify') a, idem_destination_pause('gonefn') b;}),
+		'paused', '16: destinations whose creator was dropped are paused on the coordinator');
+	is_deeply([ map { on($_, q{SELECT string_agg(name || ' ' || paused, ',' ORDER BY name) FROM idem_destinations WHERE name LIKE 'gone%'}) } $cluster->nodes ],
+		[ ('gonefn true,gonenotify true') x 3 ], '16: and on every worker');
+	is( coord_try(q{BEGIN; SELECT idem_citus_send_destinations() > 0; COMMIT;}),
+		't', '16: idem_citus_send_destinations sends them too');
+	for my $node ($cluster->nodes)
+	{
+		on($node, q{SET citus.enable_ddl_propagation = off;
+			SELECT idem_destination_drop(name) FROM idem_destinations WHERE name IN ('w1own', 'w1fn', 'gonenotify', 'gonefn')});
+	}
 }
 
 # ---- The shell tables never got a row, on any node.

@@ -36,6 +36,10 @@ idempotency.databases = 'postgres'
 idempotency.cleanup_interval = 2
 idempotency.outbox_retention = 2
 max_connections = 40
+# The SERIALIZABLE clients' predicate locks: with the default of 64 per
+# transaction the shared table ran out under a loaded machine now and then
+# ("out of shared memory", 53200), which says nothing about idempotency.
+max_pred_locks_per_transaction = 512
 log_line_prefix = '%m [%p] %e '
 });
 $node->start;

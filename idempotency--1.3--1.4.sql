@@ -439,7 +439,9 @@ REVOKE ALL ON FUNCTION idem_citus_send_destinations() FROM PUBLIC;
  * schema there.  The function computes the horizon once, on the node the
  * view is read on, with the session's idempotency.stuck_after (the setting
  * does not travel to the workers).  Its EXECUTE stays with PUBLIC, as the
- * view's readers call it; it refuses a role that may not read the view.
+ * view's readers call it; it refuses a role that may not read the view,
+ * and answers a role granted some of the view's columns with the others
+ * null.
  * The same rows as before on one server.
  */
 CREATE FUNCTION idempotency.stuck_records(OUT scope text, OUT key text, OUT token bigint,

@@ -125,8 +125,21 @@ SELECT scope, key, token = :c4_t1 AS token_c4_t1 FROM idem_stuck ORDER BY key;
 SELECT show_error('SELECT owner FROM idem_stuck');
 SELECT show_error('SELECT * FROM idempotency.stuck_records()');
 RESET ROLE;
+-- Given USAGE on the extension's schema, it may call that function itself:
+-- the columns it was not granted come back null.  A role granted nothing on
+-- the view is refused.
+CREATE ROLE idem_stuck_outsider;
+GRANT USAGE ON SCHEMA idempotency TO idem_stuck_monitor, idem_stuck_outsider;
+SET ROLE idem_stuck_monitor;
+SELECT scope, key, token = :c4_t1 AS token_c4_t1, recovery_point IS NULL AS no_recovery_point,
+       owner_age IS NULL AS no_owner_age, owner IS NULL AS no_owner
+  FROM idempotency.stuck_records() ORDER BY key;
+SET ROLE idem_stuck_outsider;
+SELECT show_error('SELECT * FROM idempotency.stuck_records()');
+RESET ROLE;
+REVOKE USAGE ON SCHEMA idempotency FROM idem_stuck_monitor, idem_stuck_outsider;
 REVOKE ALL ON idem_stuck FROM idem_stuck_monitor;
-DROP ROLE idem_stuck_monitor;
+DROP ROLE idem_stuck_monitor, idem_stuck_outsider;
 RESET idempotency.stuck_after;
 
 -- An operator resolves c-4 with the outcome found at the provider: the token

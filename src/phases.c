@@ -28,6 +28,7 @@
 #include "postgres.h"
 
 #include "access/genam.h"
+#include "access/htup_details.h"
 #include "access/table.h"
 #include "commands/extension.h"
 #include "executor/spi.h"
@@ -422,7 +423,9 @@ PG_FUNCTION_INFO_V1(idem_stuck_records);
  * connections of the current role: a monitoring role granted only the view
  * has no access to the extension's schema there.  The role checked is the
  * one the query runs as, so a view of the DBA's over idem_stuck answers
- * only roles that may read idem_stuck themselves.
+ * only roles that may read idem_stuck themselves; a role granted some of
+ * the view's columns gets the others null, should it call the function
+ * itself.
  */
 Datum
 idem_stuck_records(PG_FUNCTION_ARGS)
@@ -431,13 +434,29 @@ idem_stuck_records(PG_FUNCTION_ARGS)
 	Oid			view = get_relname_relid("idem_stuck",
 										 get_extension_schema(get_extension_oid("idempotency", false)));
 	OutboxOwnerState owner;
+	bool		all_columns;
+	bool	   *granted;
+	Datum	   *values;
+	bool	   *nulls;
+	int			natts;
 
 	/* SELECT on the view, or on some of its columns, as for reading the view. */
+	all_columns = OidIsValid(view) &&
+		pg_class_aclcheck(view, GetUserId(), ACL_SELECT) == ACLCHECK_OK;
 	if (!OidIsValid(view) ||
-		(pg_class_aclcheck(view, GetUserId(), ACL_SELECT) != ACLCHECK_OK &&
+		(!all_columns &&
 		 pg_attribute_aclcheck_all(view, GetUserId(), ACL_SELECT, ACLMASK_ANY) != ACLCHECK_OK))
 		aclcheck_error(ACLCHECK_NO_PRIV, OBJECT_VIEW, "idem_stuck");
 	InitMaterializedSRF(fcinfo, 0);
+
+	/* The view's columns are the function's, in the same order. */
+	natts = rsinfo->setDesc->natts;
+	granted = palloc(natts * sizeof(bool));
+	values = palloc(natts * sizeof(Datum));
+	nulls = palloc(natts * sizeof(bool));
+	for (int i = 0; i < natts; i++)
+		granted[i] = all_columns ||
+			pg_attribute_aclcheck(view, i + 1, GetUserId(), ACL_SELECT) == ACLCHECK_OK;
 
 	/*
 	 * The horizon is computed once, in a subquery: on a Citus coordinator it
@@ -457,8 +476,15 @@ idem_stuck_records(PG_FUNCTION_ARGS)
 					"           'idempotency.stuck_after', true), '5min')::interval)",
 					true, 0) != SPI_OK_SELECT)
 		elog(ERROR, "could not read the stuck operations");
+	if (SPI_tuptable->tupdesc->natts != natts)
+		elog(ERROR, "stuck_records has %d columns, not %d", natts, SPI_tuptable->tupdesc->natts);
 	for (uint64 i = 0; i < SPI_processed; i++)
-		tuplestore_puttuple(rsinfo->setResult, SPI_tuptable->vals[i]);
+	{
+		heap_deform_tuple(SPI_tuptable->vals[i], SPI_tuptable->tupdesc, values, nulls);
+		for (int j = 0; j < natts; j++)
+			nulls[j] |= !granted[j];
+		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
+	}
 	SPI_finish();
 	outbox_restore_user(&owner);
 	return (Datum) 0;

@@ -9,9 +9,11 @@
  * every node needs the destinations.  A destination command run on the
  * coordinator (create, alter, drop, pause, resume) notes the destination's
  * name; just before the transaction commits, the destination as it now
- * stands on the coordinator -- its whole definition, or its absence -- is
- * sent to every worker, where idem_destination_sync makes the worker's
- * copy the same.  A worker that fails (down, or refusing the definition)
+ * stands on the coordinator -- its whole definition, or, dropped, the
+ * definition it had -- is sent to every worker, where idem_destination_sync
+ * makes the worker's copy the same.  A worker's destination of the same
+ * name that would run otherwise (made on the worker itself) is not a copy:
+ * it is refused, and a drop leaves it alone.  A worker that fails (down, or refusing the definition)
  * fails the coordinator's commit, with the node and its error.  The
  * workers apply it in transactions of their own, so after such a failure
  * some may have it already; since what is sent is the whole definition,
@@ -28,8 +30,10 @@
  */
 #include "postgres.h"
 
+#include "access/htup_details.h"
 #include "access/xact.h"
 #include "catalog/namespace.h"
+#include "catalog/pg_proc.h"
 #include "catalog/pg_type.h"
 #include "commands/extension.h"
 #include "executor/spi.h"
@@ -45,6 +49,7 @@
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
 #include "utils/snapmgr.h"
+#include "utils/syscache.h"
 
 #include "compat.h"
 #include "outbox.h"
@@ -55,12 +60,14 @@ typedef struct DestNote
 {
 	char	   *name;
 	bool		resumed;		/* idem_destination_resume ran on it */
+	char	   *dropped;		/* its definition before a drop, or NULL */
 } DestNote;
 
 static List *dest_notes = NIL;	/* in TopTransactionContext */
 static bool dest_sync_registered = false;
 
 static void dest_sync_xact_callback(XactEvent event, void *arg);
+static char *dest_sync_definition(const char *name, bool dropped);
 
 /*
  * A destination command changed name on this node: note it, so that the
@@ -90,7 +97,7 @@ dest_sync_note(text *name, bool resumed)
 		}
 	}
 	old = MemoryContextSwitchTo(TopTransactionContext);
-	note = palloc(sizeof(DestNote));
+	note = palloc0(sizeof(DestNote));
 	note->name = text_to_cstring(name);
 	note->resumed = resumed;
 	dest_notes = lappend(dest_notes, note);
@@ -98,18 +105,47 @@ dest_sync_note(text *name, bool resumed)
 }
 
 /*
+ * idem_destination_drop is about to drop name on this node: keep its
+ * definition, so that the workers drop their copies of this destination
+ * and no other destination of theirs that has the name (one made there,
+ * or by a role that created and dropped the name in this transaction).
+ */
+void
+dest_sync_note_drop(text *name)
+{
+	char	   *definition;
+	ListCell   *lc;
+
+	if (!OidIsValid(get_extension_oid("citus", true)) || !shard_citus_coordinator())
+		return;
+	definition = dest_sync_definition(text_to_cstring(name), true);
+	if (definition == NULL)
+		return;					/* the drop reports that it is missing */
+	dest_sync_note(name, false);
+	foreach(lc, dest_notes)
+	{
+		DestNote   *note = lfirst(lc);
+
+		if (strcmp(note->name, text_to_cstring(name)) == 0)
+			note->dropped = definition;
+	}
+}
+
+/*
  * The definition of destination name on this node, as idem_destination_sync
- * takes it (a jsonb text), or NULL if it does not exist.  The secrets and
- * headers, which the table keeps apart from the other options, go back into
- * the options.  The role a function destination runs as goes by name (its
- * OID is this node's), null if it was dropped.
+ * takes it (a jsonb text), or NULL if it does not exist; dropped marks it as
+ * the definition of a destination dropped since.  The secrets and headers,
+ * which the table keeps apart from the other options, go back into the
+ * options.  Roles go by name (their OIDs are this node's): the role a
+ * function destination runs as, null if it was dropped, and the owner of
+ * its function.
  */
 static char *
-dest_sync_definition(const char *name)
+dest_sync_definition(const char *name, bool dropped)
 {
 	OutboxOwnerState owner;
-	Oid			argtypes[1] = {TEXTOID};
-	Datum		values[1] = {CStringGetTextDatum(name)};
+	Oid			argtypes[2] = {TEXTOID, BOOLOID};
+	Datum		values[2] = {CStringGetTextDatum(name), BoolGetDatum(dropped)};
 	char	   *definition = NULL;
 
 	outbox_become_owner(&owner);
@@ -119,11 +155,14 @@ dest_sync_definition(const char *name)
 							  "        'topics', topics::text, 'paused', paused,"
 							  "        'search_path', search_path,"
 							  "        'run_as', CASE WHEN kind = 'function' THEN"
-							  "            (SELECT rolname FROM pg_roles WHERE oid = run_as) END,"
+							  "            (SELECT rolname FROM pg_catalog.pg_roles WHERE oid = run_as) END,"
+							  "        'func_owner', (SELECT r.rolname FROM pg_catalog.pg_proc p"
+							  "            JOIN pg_catalog.pg_roles r ON r.oid = p.proowner WHERE p.oid = func),"
+							  "        'dropped', $2,"
 							  "        'options', options || jsonb_strip_nulls(jsonb_build_object("
 							  "            'secrets', to_jsonb(secrets), 'headers', headers)))::text"
 							  "  FROM idempotency.destinations WHERE name = $1",
-							  1, argtypes, values, NULL, true, 1) != SPI_OK_SELECT)
+							  2, argtypes, values, NULL, true, 1) != SPI_OK_SELECT)
 		elog(ERROR, "could not read outbox destination \"%s\"", name);
 	if (SPI_processed == 1)
 	{
@@ -162,14 +201,18 @@ dest_sync_send(void)
 	foreach(lc, notes)
 	{
 		DestNote   *note = lfirst(lc);
-		char	   *definition = dest_sync_definition(note->name);
+		char	   *definition = dest_sync_definition(note->name, false);
 		char	   *command;
 		char	   *what;
 
-		command = psprintf("SELECT %s.idem_destination_sync(%s, %s, %s)",
+		/* Gone: the workers drop their copies of what was dropped. */
+		if (definition == NULL)
+			definition = note->dropped;
+		if (definition == NULL)
+			continue;
+		command = psprintf("SELECT %s.idem_destination_sync(%s, %s::jsonb, %s)",
 						   quote_identifier(schema), quote_literal_cstr(note->name),
-						   definition ? psprintf("%s::jsonb", quote_literal_cstr(definition)) : "NULL",
-						   note->resumed ? "true" : "false");
+						   quote_literal_cstr(definition), note->resumed ? "true" : "false");
 		what = psprintf("sending outbox destination \"%s\"", note->name);
 		shard_run_on_workers(command, what);
 	}
@@ -264,16 +307,198 @@ dest_sync_execute(const char *sql, int nargs, Oid *argtypes, Datum *values)
 	return processed;
 }
 
+/* This node's destination of a name, as idem_destination_sync compares it. */
+typedef struct DestHere
+{
+	bool		exists;
+	char	   *kind;
+	char	   *target;
+	Oid			run_as;
+	Oid			func;			/* InvalidOid unless a function destination */
+	char	   *func_text;		/* func as regprocedure text */
+	bool		func_named;		/* its target still names func */
+} DestHere;
+
+/* Read (and lock) this node's destination name into here. */
+static void
+dest_sync_read_here(text *name, DestHere *here)
+{
+	OutboxOwnerState owner;
+	MemoryContext outer = CurrentMemoryContext;
+	Oid			argtypes[1] = {TEXTOID};
+	Datum		values[1] = {PointerGetDatum(name)};
+
+	memset(here, 0, sizeof(DestHere));
+	outbox_become_owner(&owner);
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+	if (SPI_execute_with_args("SELECT kind, target, run_as, func::oid, func::regprocedure::text,"
+							  "       CASE WHEN kind = 'function' THEN func = to_regprocedure(target) END"
+							  "  FROM idempotency.destinations WHERE name = $1 FOR UPDATE",
+							  1, argtypes, values, NULL, false, 1) != SPI_OK_SELECT)
+		elog(ERROR, "could not read the outbox destinations");
+	here->exists = SPI_processed == 1;
+	if (here->exists)
+	{
+		HeapTuple	tup = SPI_tuptable->vals[0];
+		TupleDesc	desc = SPI_tuptable->tupdesc;
+		char	   *func_text = SPI_getvalue(tup, desc, 5);
+		bool		isnull;
+		Datum		d;
+
+		/* SPI_finish frees what SPI_getvalue returns: copies outlive it. */
+		here->kind = MemoryContextStrdup(outer, SPI_getvalue(tup, desc, 1));
+		here->target = MemoryContextStrdup(outer, SPI_getvalue(tup, desc, 2));
+		here->run_as = DatumGetObjectId(SPI_getbinval(tup, desc, 3, &isnull));
+		d = SPI_getbinval(tup, desc, 4, &isnull);
+		here->func = isnull ? InvalidOid : DatumGetObjectId(d);
+		here->func_text = MemoryContextStrdup(outer, func_text ? func_text : "no function");
+		d = SPI_getbinval(tup, desc, 6, &isnull);
+		here->func_named = !isnull && DatumGetBool(d);
+	}
+	SPI_finish();
+	outbox_restore_user(&owner);
+}
+
+/* The name of the role that owns function func, or NULL. */
+static char *
+dest_sync_func_owner(Oid func)
+{
+	HeapTuple	tup = SearchSysCache1(PROCOID, ObjectIdGetDatum(func));
+	Oid			proowner;
+
+	if (!HeapTupleIsValid(tup))
+		return NULL;
+	proowner = ((Form_pg_proc) GETSTRUCT(tup))->proowner;
+	ReleaseSysCache(tup);
+	return GetUserNameFromId(proowner, true);
+}
+
+/*
+ * Whether this node's destination here is a copy of the coordinator's
+ * definition: the same kind and target and, for a function destination,
+ * run as the same role (or, the coordinator's having been dropped, as a
+ * role that no longer exists here either), calling the function its
+ * target names, owned by the same role as on the coordinator.  A
+ * destination of this node's own that would run otherwise is never taken
+ * over.  With report, a difference is an error that names it; otherwise
+ * the answer is false.
+ */
+static bool
+dest_sync_is_copy(text *name, Jsonb *definition, const DestHere *here, bool report)
+{
+	char	   *kind = dest_sync_text(definition, "kind");
+	char	   *target = dest_sync_text(definition, "target");
+	JsonbValue *run_as_field;
+	JsonbValue *owner_field;
+	char	   *here_role;
+
+	if (strcmp(here->kind, kind) != 0 || strcmp(here->target, target) != 0)
+	{
+		if (report)
+			ereport(ERROR,
+					(errcode(ERRCODE_DUPLICATE_OBJECT),
+					 errmsg("destination \"%s\" on this node is a %s destination to %s, not a %s destination to %s",
+							text_to_cstring(name), here->kind, here->target, kind, target),
+					 errhint("Drop it on this node first.")));
+		return false;
+	}
+	if (strcmp(kind, "function") != 0)
+		return true;
+
+	/*
+	 * The coordinator sends the role by name, or null when it was dropped
+	 * there; a definition without it (a superuser's own call) means the
+	 * caller.
+	 */
+	here_role = GetUserNameFromId(here->run_as, true);
+	run_as_field = dest_sync_field(definition, "run_as");
+	if (run_as_field != NULL && run_as_field->type == jbvNull)
+	{
+		if (here_role != NULL)
+		{
+			if (report)
+				ereport(ERROR,
+						(errcode(ERRCODE_DUPLICATE_OBJECT),
+						 errmsg("destination \"%s\" on this node runs as role \"%s\", but the role that created it on the coordinator no longer exists",
+								text_to_cstring(name), here_role),
+						 errhint("Drop it on this node first.")));
+			return false;
+		}
+	}
+	else
+	{
+		Oid			run_as = run_as_field == NULL ? GetUserId() :
+			get_role_oid(dest_sync_text(definition, "run_as"), !report);
+
+		if (here->run_as != run_as)
+		{
+			if (!report)
+				return false;
+			if (here_role == NULL)
+				ereport(ERROR,
+						(errcode(ERRCODE_DUPLICATE_OBJECT),
+						 errmsg("destination \"%s\" on this node runs as a role that no longer exists, not as \"%s\"",
+								text_to_cstring(name), GetUserNameFromId(run_as, false)),
+						 errhint("Drop it on this node first.")));
+			ereport(ERROR,
+					(errcode(ERRCODE_DUPLICATE_OBJECT),
+					 errmsg("destination \"%s\" on this node runs as role \"%s\", not as \"%s\"",
+							text_to_cstring(name), here_role, GetUserNameFromId(run_as, false)),
+					 errhint("Drop it on this node first.")));
+		}
+	}
+
+	/* Another function than its target names now (one renamed since, say). */
+	if (!here->func_named)
+	{
+		if (report)
+			ereport(ERROR,
+					(errcode(ERRCODE_DUPLICATE_OBJECT),
+					 errmsg("destination \"%s\" on this node calls %s, not %s",
+							text_to_cstring(name), here->func_text, target),
+					 errhint("Drop it on this node first.")));
+		return false;
+	}
+
+	/*
+	 * A function of the same name made here by another role than the
+	 * coordinator's function's owner (where DDL does not propagate, say)
+	 * would run that role's code as the destination's role.
+	 */
+	owner_field = dest_sync_field(definition, "func_owner");
+	if (owner_field != NULL && owner_field->type == jbvString)
+	{
+		char	   *owner = dest_sync_text(definition, "func_owner");
+		char	   *here_owner = dest_sync_func_owner(here->func);
+
+		if (here_owner == NULL || strcmp(here_owner, owner) != 0)
+		{
+			if (report)
+				ereport(ERROR,
+						(errcode(ERRCODE_INSUFFICIENT_PRIVILEGE),
+						 errmsg("destination \"%s\" on this node calls %s, owned by role \"%s\", not by \"%s\" as on the coordinator",
+								text_to_cstring(name), here->func_text,
+								here_owner ? here_owner : "?", owner),
+						 errhint("Make the function on this node as the role that owns it on the coordinator.")));
+			return false;
+		}
+	}
+	return true;
+}
+
 PG_FUNCTION_INFO_V1(idem_destination_sync);
 
 /*
  * idem_destination_sync(name, definition, resumed): make this node's
- * destination name the one definition describes (NULL: none), as the
- * coordinator sends it (see the file header).  A destination that is not
- * here is created with the coordinator's definition; one that is gets its
- * topics, options and pause from it (a kind or target of its own is
- * refused); resumed clears what this node's relay learned about the
- * endpoint.
+ * destination name the one definition describes, as the coordinator sends
+ * it (see the file header).  A destination that is not here is created
+ * with the coordinator's definition; a copy of it that is here gets its
+ * topics, options and pause from it (a destination of this node's own that
+ * is not a copy is refused); resumed clears what this node's relay learned
+ * about the endpoint.  A definition marked dropped drops the copy, and
+ * leaves a destination of this node's own alone.  NULL drops whatever
+ * destination name is (a superuser's own call).
  */
 Datum
 idem_destination_sync(PG_FUNCTION_ARGS)
@@ -281,20 +506,14 @@ idem_destination_sync(PG_FUNCTION_ARGS)
 	text	   *name;
 	Jsonb	   *definition = PG_ARGISNULL(1) ? NULL : PG_GETARG_JSONB_P(1);
 	bool		resumed = !PG_ARGISNULL(2) && PG_GETARG_BOOL(2);
-	Oid			argtypes[3] = {TEXTOID, TEXTOID, TEXTOID};
-	Datum		values[3];
+	Oid			argtypes[2] = {TEXTOID, TEXTOID};
+	Datum		values[2];
 	char	   *kind;
 	char	   *target;
-	bool		is_function;
 	JsonbValue *run_as_field;
-	Oid			run_as;
 	JsonbValue *paused;
-	bool		exists;
-	char	   *here_kind = NULL;
-	char	   *here_target = NULL;
-	Oid			here_run_as = InvalidOid;
-	char	   *here_func = NULL;
-	bool		here_func_named = false;
+	JsonbValue *dropped;
+	DestHere	here;
 
 	if (PG_ARGISNULL(0))
 		ereport(ERROR,
@@ -302,65 +521,28 @@ idem_destination_sync(PG_FUNCTION_ARGS)
 				 errmsg("name must not be null")));
 	name = PG_GETARG_TEXT_PP(0);
 	values[0] = PointerGetDatum(name);
-
-	{
-		OutboxOwnerState owner;
-		MemoryContext outer = CurrentMemoryContext;
-
-		outbox_become_owner(&owner);
-		if (SPI_connect() != SPI_OK_CONNECT)
-			elog(ERROR, "SPI_connect failed");
-		if (SPI_execute_with_args("SELECT kind, target, run_as,"
-								  "       func::regprocedure::text,"
-								  "       CASE WHEN kind = 'function' THEN func = to_regprocedure(target) END"
-								  "  FROM idempotency.destinations WHERE name = $1 FOR UPDATE",
-								  1, argtypes, values, NULL, false, 1) != SPI_OK_SELECT)
-			elog(ERROR, "could not read the outbox destinations");
-		exists = SPI_processed == 1;
-		if (exists)
-		{
-			HeapTuple	tup = SPI_tuptable->vals[0];
-			TupleDesc	desc = SPI_tuptable->tupdesc;
-			char	   *func = SPI_getvalue(tup, desc, 4);
-			bool		isnull;
-
-			/* SPI_finish frees what SPI_getvalue returns: copies outlive it. */
-			here_kind = MemoryContextStrdup(outer, SPI_getvalue(tup, desc, 1));
-			here_target = MemoryContextStrdup(outer, SPI_getvalue(tup, desc, 2));
-			here_run_as = DatumGetObjectId(SPI_getbinval(tup, desc, 3, &isnull));
-			here_func = func ? MemoryContextStrdup(outer, func) : NULL;
-			here_func_named = DatumGetBool(SPI_getbinval(tup, desc, 5, &isnull)) && !isnull;
-		}
-		SPI_finish();
-		outbox_restore_user(&owner);
-	}
+	dest_sync_read_here(name, &here);
 
 	if (definition == NULL)
 	{
-		if (exists)
+		if (here.exists)
+			(void) DirectFunctionCall1(idem_destination_drop, PointerGetDatum(name));
+		PG_RETURN_VOID();
+	}
+	dropped = dest_sync_field(definition, "dropped");
+	if (dropped != NULL && dropped->type == jbvBool && dropped->val.boolean)
+	{
+		if (here.exists && dest_sync_is_copy(name, definition, &here, false))
 			(void) DirectFunctionCall1(idem_destination_drop, PointerGetDatum(name));
 		PG_RETURN_VOID();
 	}
 
 	kind = dest_sync_text(definition, "kind");
 	target = dest_sync_text(definition, "target");
-	is_function = strcmp(kind, "function") == 0;
-
-	/*
-	 * The role a function destination runs as: the coordinator sends it by
-	 * name, or null when that role was dropped there; a definition without
-	 * it (a superuser's own call) means the caller.
-	 */
-	run_as_field = dest_sync_field(definition, "run_as");
-	if (!is_function || run_as_field == NULL)
-		run_as = GetUserId();
-	else if (run_as_field->type == jbvNull)
-		run_as = InvalidOid;
-	else
-		run_as = get_role_oid(dest_sync_text(definition, "run_as"), false);
-	if (!exists)
+	if (!here.exists)
 	{
 		int			save_nestlevel = NewGUCNestLevel();
+		Oid			run_as = GetUserId();
 		Oid			save_userid;
 		int			save_sec_context;
 		Datum		topics;
@@ -370,12 +552,17 @@ idem_destination_sync(PG_FUNCTION_ARGS)
 		 * and is made by the role it runs as there, which must be allowed to
 		 * call the function here too.
 		 */
-		if (!OidIsValid(run_as))
-			ereport(ERROR,
-					(errcode(ERRCODE_UNDEFINED_OBJECT),
-					 errmsg("the role that created destination \"%s\" no longer exists",
-							text_to_cstring(name)),
-					 errhint("Drop the destination and create it again.")));
+		run_as_field = dest_sync_field(definition, "run_as");
+		if (strcmp(kind, "function") == 0 && run_as_field != NULL)
+		{
+			if (run_as_field->type == jbvNull)
+				ereport(ERROR,
+						(errcode(ERRCODE_UNDEFINED_OBJECT),
+						 errmsg("the role that created destination \"%s\" no longer exists",
+								text_to_cstring(name)),
+						 errhint("Drop the destination and create it again.")));
+			run_as = get_role_oid(dest_sync_text(definition, "run_as"), false);
+		}
 		(void) set_config_option("search_path", dest_sync_text(definition, "search_path"),
 								 PGC_USERSET, PGC_S_SESSION, GUC_ACTION_SAVE, true, 0, false);
 		topics = dest_sync_topics(definition);
@@ -386,38 +573,14 @@ idem_destination_sync(PG_FUNCTION_ARGS)
 								   topics, dest_sync_jsonb(definition, "options"));
 		SetUserIdAndSecContext(save_userid, save_sec_context);
 		AtEOXact_GUC(true, save_nestlevel);
+
+		/* Its target may name another role's function here than there. */
+		dest_sync_read_here(name, &here);
+		(void) dest_sync_is_copy(name, definition, &here, true);
 	}
 	else
 	{
-		if (strcmp(here_kind, kind) != 0 || strcmp(here_target, target) != 0)
-			ereport(ERROR,
-					(errcode(ERRCODE_DUPLICATE_OBJECT),
-					 errmsg("destination \"%s\" on this node is a %s destination to %s, not a %s destination to %s",
-							text_to_cstring(name), here_kind, here_target, kind, target),
-					 errhint("Drop it on this node first.")));
-
-		/*
-		 * Nor is a function destination of this node's own that would run
-		 * otherwise than the coordinator's: as another role, or another
-		 * function than its target names now (one renamed since, say).
-		 */
-		if (is_function && OidIsValid(run_as) && here_run_as != run_as)
-		{
-			char	   *here_role = GetUserNameFromId(here_run_as, true);
-
-			ereport(ERROR,
-					(errcode(ERRCODE_DUPLICATE_OBJECT),
-					 errmsg("destination \"%s\" on this node runs as role \"%s\", not as \"%s\"",
-							text_to_cstring(name), here_role ? here_role : "(dropped)",
-							GetUserNameFromId(run_as, false)),
-					 errhint("Drop it on this node first.")));
-		}
-		if (is_function && !here_func_named)
-			ereport(ERROR,
-					(errcode(ERRCODE_DUPLICATE_OBJECT),
-					 errmsg("destination \"%s\" on this node calls %s, not %s",
-							text_to_cstring(name), here_func, target),
-					 errhint("Drop it on this node first.")));
+		(void) dest_sync_is_copy(name, definition, &here, true);
 		(void) DirectFunctionCall2(idem_destination_alter, PointerGetDatum(name),
 								   dest_sync_jsonb(definition, "options"));
 		argtypes[1] = TEXTARRAYOID;

@@ -670,6 +670,7 @@ idem_destination_drop(PG_FUNCTION_ARGS)
 	Oid			argtypes[1] = {TEXTOID};
 	Datum		values[1] = {PointerGetDatum(name)};
 
+	dest_sync_note_drop(name);
 	if (dest_execute("WITH d AS (DELETE FROM idempotency.destinations WHERE name = $1 RETURNING id),"
 					 " x AS (DELETE FROM idempotency.deliveries WHERE destination_id IN (SELECT id FROM d)),"
 					 " s AS (DELETE FROM idempotency.destination_stats WHERE destination_id IN (SELECT id FROM d))"

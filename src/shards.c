@@ -610,7 +610,8 @@ shard_run_on_workers(const char *command, const char *what)
 	if (nfailed > 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("%s failed on %d Citus worker%s", what, nfailed, nfailed > 1 ? "s" : ""),
+				 errmsg_plural("%s failed on %d Citus worker", "%s failed on %d Citus workers",
+								nfailed, what, nfailed),
 				 errdetail("%s", failures.data),
 				 errhint("Nothing changed on this node.  The workers where it succeeded have it already; running the same command again brings every node to this node's state.")));
 }

@@ -53,7 +53,11 @@
 # 16. a worker's own function destination that would run as another role or
 #     call another function is not taken over by the coordinator's of the
 #     same name; destinations whose creator was dropped are still paused
-#     everywhere.
+#     everywhere;
+# 17. nor when the coordinator's creator was dropped, nor by a destination
+#     created and dropped in one coordinator transaction, and a worker
+#     refuses a function destination whose function there another role
+#     made.
 #
 # Skipped when Citus is not installed.
 use strict;
@@ -993,6 +997,94 @@ sub crash_coordinator
 	{
 		on($node, q{SET citus.enable_ddl_propagation = off;
 			SELECT idem_destination_drop(name) FROM idem_destinations WHERE name IN ('w1own', 'w1fn', 'gonenotify', 'gonefn')});
+	}
+}
+
+# ---- 17. What the coordinator sends is the coordinator's destination only.
+# A worker's destination that is not a copy of the coordinator's keeps
+# running as it was made there, whatever the coordinator's role does:
+#  a. after the coordinator's creator of a function destination was
+#     dropped, a worker's function destination of the same name that runs
+#     as a role that still exists is refused, not given the coordinator's
+#     topics, and a worker that has no copy refuses to make one;
+#  b. a destination created and dropped in one coordinator transaction
+#     does not drop a worker's own destination of that name;
+#  c. a function destination made by a superuser does not call, on a
+#     worker, a function of the same name that another role made there.
+{
+	my ($w1, $w2) = @workers;
+
+	# a.
+	coord(q{
+		CREATE ROLE gone2;
+		GRANT EXECUTE ON FUNCTION idem_destination_create(text, text, text, text[], jsonb) TO gone2;
+		SET ROLE gone2;
+		SELECT idem_destination_create('orphan', 'function', 'fdest(jsonb)', '{gone2.*}');
+		RESET ROLE;
+		REVOKE EXECUTE ON FUNCTION idem_destination_create(text, text, text, text[], jsonb) FROM gone2;});
+	on($w1, q{
+		SELECT idem_destination_drop('orphan');
+		SET ROLE ops;
+		SELECT idem_destination_create('orphan', 'function', 'fdest(jsonb)', '{w1ops.*}');});
+	coord(q{DROP ROLE gone2});
+	like(coord_try(q{SELECT idem_destination_alter('orphan', '{"max_attempts": 3}')}),
+		qr/ERROR:  sending outbox destination "orphan" failed on 1 Citus worker.*destination "orphan" on this node runs as role "ops", but the role that created it on the coordinator no longer exists/s,
+		'17a: a worker\'s function destination of a role that exists is not taken over after the coordinator\'s creator was dropped');
+	is( on($w1, q{SELECT run_as::regrole || ' ' || array_to_string(topics, ',') || ' ' || max_attempts FROM idempotency.destinations WHERE name = 'orphan'}),
+		'ops w1ops.* 10', '17a: it keeps its topics and options');
+	on($w2, q{SELECT idem_destination_drop('orphan')});
+	like(coord_try(q{SELECT idem_destination_pause('orphan')}),
+		qr/ERROR:  sending outbox destination "orphan" failed on 2 Citus workers.*the role that created destination "orphan" no longer exists/s,
+		'17a: a worker that has no copy refuses to make one whose creator was dropped');
+	is( on($w2, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'orphan'}),
+		'0', '17a: and makes none');
+
+	# b.
+	coord(q{
+		CREATE ROLE dropper;
+		GRANT EXECUTE ON FUNCTION idem_destination_create(text, text, text, text[], jsonb),
+			idem_destination_drop(text) TO dropper;});
+	on($w1, q{SELECT idem_destination_create('w1keep', 'function', 'fdest(jsonb)', '{w1keep.*}')});
+	is( coord_try(q{
+			SET ROLE dropper;
+			DO $$BEGIN
+				PERFORM idem_destination_create('w1keep', 'notify', 'dropper_channel', '{x.*}');
+				PERFORM idem_destination_drop('w1keep');
+			END$$;
+			SELECT 'done';}),
+		'done', '17b: a role creates and drops a destination in one transaction on the coordinator');
+	is( on($w1, q{SELECT kind || ' ' || run_as::regrole FROM idempotency.destinations WHERE name = 'w1keep'}),
+		'function postgres', '17b: the worker\'s own destination of that name is still there');
+
+	# c.
+	coord(q{
+		SET citus.enable_ddl_propagation = off;
+		CREATE FUNCTION fplant(event jsonb) RETURNS void LANGUAGE sql AS 'SELECT NULL';});
+	on($w2, q{
+		SET citus.enable_ddl_propagation = off;
+		CREATE FUNCTION fplant(event jsonb) RETURNS void LANGUAGE sql AS 'SELECT NULL';});
+	on($w1, q{
+		SET citus.enable_ddl_propagation = off;
+		CREATE ROLE planter;
+		GRANT CREATE ON SCHEMA public TO planter;
+		SET ROLE planter;
+		CREATE FUNCTION fplant(event jsonb) RETURNS void LANGUAGE sql AS 'SELECT NULL';});
+	like(coord_try(q{SELECT idem_destination_create('sudest', 'function', 'fplant(jsonb)', '{su.*}')}),
+		qr/ERROR:  sending outbox destination "sudest" failed on 1 Citus worker.*destination "sudest" on this node calls public\.fplant\(jsonb\), owned by role "planter", not by "postgres" as on the coordinator/s,
+		'17c: a worker refuses a function destination whose function there was made by another role');
+	is( join(' ', map { on($_, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'sudest'}) } $cluster->nodes),
+		'0 0 1', '17c: it has none, nor has the coordinator; the other worker has a copy');
+	on($w2, q{SELECT idem_destination_drop('sudest')});
+	on($w1, q{
+		SET citus.enable_ddl_propagation = off;
+		DROP FUNCTION fplant(jsonb);
+		REVOKE CREATE ON SCHEMA public FROM planter;
+		DROP ROLE planter;});
+	for my $node ($cluster->nodes)
+	{
+		on($node, q{SET citus.enable_ddl_propagation = off;
+			DROP FUNCTION IF EXISTS fplant(jsonb);
+			SELECT idem_destination_drop(name) FROM idem_destinations WHERE name IN ('orphan', 'w1keep')});
 	}
 }
 

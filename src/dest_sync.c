@@ -9,18 +9,22 @@
  * every node needs the destinations.  A destination command run on the
  * coordinator (create, alter, drop, pause, resume) notes the destination's
  * name; just before the transaction commits, the destination as it now
- * stands on the coordinator -- its whole definition, or, dropped, the
- * definition it had -- is sent to every worker, where idem_destination_sync
- * makes the worker's copy the same.  A worker's destination of the same
- * name that would run otherwise (made on the worker itself) is not a copy:
- * it is refused, and a drop leaves it alone.  A worker that fails (down, or refusing the definition)
- * fails the coordinator's commit, with the node and its error.  The
- * workers apply it in transactions of their own, so after such a failure
- * some may have it already; since what is sent is the whole definition,
- * running any command on that destination again makes every node agree.
- * The workers apply it as the extension's owner: the command's privileges
- * are checked on the coordinator, and a function destination keeps, on
- * every node, the role that made it as the role its function runs as.
+ * stands on the coordinator -- its whole definition -- is sent to every
+ * worker, where idem_destination_sync makes the worker's copy the same; a
+ * destination dropped in the transaction goes first, as it was when the
+ * transaction began, and the workers drop their copies of it.  A copy is
+ * a destination of the same name, kind and target made by the same role
+ * and, for a function destination, calling a function of the same schema,
+ * name and owner; any other destination of that name is the worker's own
+ * (made there): a worker refuses to change it, and a drop leaves it alone.
+ * A worker that fails (down, or refusing the definition) fails the
+ * coordinator's commit, with the node and its error.  The workers apply it
+ * in transactions of their own, so after such a failure some may have it
+ * already; since what is sent is the whole definition, running any command
+ * on that destination again makes every node agree.  The workers apply it
+ * as the extension's owner: the command's privileges are checked on the
+ * coordinator, and each node makes the destination as the role that made
+ * it on the coordinator, which a function destination's calls run as.
  *
  * What a node's relay learns about an endpoint (failures, circuit, pacing,
  * disabling after 410 or disable_after) stays that node's; a resume on the
@@ -60,7 +64,8 @@ typedef struct DestNote
 {
 	char	   *name;
 	bool		resumed;		/* idem_destination_resume ran on it */
-	char	   *dropped;		/* its definition before a drop, or NULL */
+	bool		created;		/* first noted by idem_destination_create */
+	char	   *dropped;		/* its definition at the start, if dropped */
 } DestNote;
 
 static List *dest_notes = NIL;	/* in TopTransactionContext */
@@ -70,18 +75,18 @@ static void dest_sync_xact_callback(XactEvent event, void *arg);
 static char *dest_sync_definition(const char *name, bool dropped);
 
 /*
- * A destination command changed name on this node: note it, so that the
- * workers get the destination at commit, if this is a Citus coordinator.
+ * The note of name in this transaction, made if there is none (created and
+ * resumed say by which command); NULL without Citus.
  */
-void
-dest_sync_note(text *name, bool resumed)
+static DestNote *
+dest_sync_find_note(text *name, bool created, bool resumed)
 {
 	MemoryContext old;
 	ListCell   *lc;
 	DestNote   *note;
 
 	if (!OidIsValid(get_extension_oid("citus", true)))
-		return;
+		return NULL;
 	if (!dest_sync_registered)
 	{
 		RegisterXactCallback(dest_sync_xact_callback, NULL);
@@ -93,42 +98,48 @@ dest_sync_note(text *name, bool resumed)
 		if (strcmp(note->name, text_to_cstring(name)) == 0)
 		{
 			note->resumed |= resumed;
-			return;
+			return note;
 		}
 	}
 	old = MemoryContextSwitchTo(TopTransactionContext);
 	note = palloc0(sizeof(DestNote));
 	note->name = text_to_cstring(name);
+	note->created = created;
 	note->resumed = resumed;
 	dest_notes = lappend(dest_notes, note);
 	MemoryContextSwitchTo(old);
+	return note;
 }
 
 /*
- * idem_destination_drop is about to drop name on this node: keep its
- * definition, so that the workers drop their copies of this destination
- * and no other destination of theirs that has the name (one made there,
- * or by a role that created and dropped the name in this transaction).
+ * A destination command changed name on this node: note it, so that the
+ * workers get the destination at commit, if this is a Citus coordinator.
+ */
+void
+dest_sync_note(text *name, bool created, bool resumed)
+{
+	(void) dest_sync_find_note(name, created, resumed);
+}
+
+/*
+ * idem_destination_drop is about to drop name on this node: keep the
+ * definition that the name had when this transaction began, so that the
+ * workers drop their copies of that destination and no other destination
+ * of theirs that has the name (one made there, say).  A name that this
+ * transaction created had none: nothing of the workers' is dropped.
  */
 void
 dest_sync_note_drop(text *name)
 {
-	char	   *definition;
-	ListCell   *lc;
+	DestNote   *note;
 
 	if (!OidIsValid(get_extension_oid("citus", true)) || !shard_citus_coordinator())
 		return;
-	definition = dest_sync_definition(text_to_cstring(name), true);
-	if (definition == NULL)
-		return;					/* the drop reports that it is missing */
-	dest_sync_note(name, false);
-	foreach(lc, dest_notes)
-	{
-		DestNote   *note = lfirst(lc);
-
-		if (strcmp(note->name, text_to_cstring(name)) == 0)
-			note->dropped = definition;
-	}
+	note = dest_sync_find_note(name, false, false);
+	if (note->created || note->dropped != NULL)
+		return;
+	/* Commands other than create and drop keep kind, target and roles. */
+	note->dropped = dest_sync_definition(text_to_cstring(name), true);
 }
 
 /*
@@ -136,9 +147,10 @@ dest_sync_note_drop(text *name)
  * takes it (a jsonb text), or NULL if it does not exist; dropped marks it as
  * the definition of a destination dropped since.  The secrets and headers,
  * which the table keeps apart from the other options, go back into the
- * options.  Roles go by name (their OIDs are this node's): the role a
- * function destination runs as, null if it was dropped, and the owner of
- * its function.
+ * options.  Roles go by name (their OIDs are this node's): the role that
+ * created the destination (a function destination runs as it), null if it
+ * was dropped; and a function destination's function goes by schema, name
+ * and owner (its signature is always (jsonb)), all null if it was dropped.
  */
 static char *
 dest_sync_definition(const char *name, bool dropped)
@@ -154,8 +166,10 @@ dest_sync_definition(const char *name, bool dropped)
 	if (SPI_execute_with_args("SELECT jsonb_build_object('kind', kind, 'target', target,"
 							  "        'topics', topics::text, 'paused', paused,"
 							  "        'search_path', search_path,"
-							  "        'run_as', CASE WHEN kind = 'function' THEN"
-							  "            (SELECT rolname FROM pg_catalog.pg_roles WHERE oid = run_as) END,"
+							  "        'run_as', (SELECT rolname FROM pg_catalog.pg_roles WHERE oid = run_as),"
+							  "        'func_schema', (SELECT n.nspname FROM pg_catalog.pg_proc p"
+							  "            JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace WHERE p.oid = func),"
+							  "        'func_name', (SELECT proname FROM pg_catalog.pg_proc WHERE oid = func),"
 							  "        'func_owner', (SELECT r.rolname FROM pg_catalog.pg_proc p"
 							  "            JOIN pg_catalog.pg_roles r ON r.oid = p.proowner WHERE p.oid = func),"
 							  "        'dropped', $2,"
@@ -173,6 +187,29 @@ dest_sync_definition(const char *name, bool dropped)
 	SPI_finish();
 	outbox_restore_user(&owner);
 	return definition;
+}
+
+/* Send one definition of destination name to every worker; any failure is an error. */
+static void
+dest_sync_send_one(const char *schema, const char *name, const char *definition, bool resumed)
+{
+	StringInfoData failures;
+	int			nfailed;
+
+	initStringInfo(&failures);
+	nfailed = shard_run_on_workers(psprintf("SELECT %s.idem_destination_sync(%s, %s::jsonb, %s)",
+											quote_identifier(schema), quote_literal_cstr(name),
+											quote_literal_cstr(definition),
+											resumed ? "true" : "false"),
+								   &failures);
+	if (nfailed > 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg_plural("sending outbox destination \"%s\" failed on %d Citus worker",
+							   "sending outbox destination \"%s\" failed on %d Citus workers",
+							   nfailed, name, nfailed),
+				 errdetail("%s", failures.data),
+				 errhint("Nothing changed on this node; the workers where it succeeded have it already.  Once the failing workers are up, or have dropped a destination of their own that has this name, running the same command again brings every node to this node's state.")));
 }
 
 /* Send the noted destinations to every worker, as the extension's owner, before this coordinator commits. */
@@ -194,27 +231,21 @@ dest_sync_send(void)
 	 * result as the extension's owner, over the connections Citus opens for
 	 * that role, so that an operator granted only the command needs no
 	 * grant of idem_destination_sync on the workers (which would let it
-	 * make any destination there).  What runs as the role that made the
-	 * destination, a function destination's calls, carries that role along.
+	 * make any destination there).  The workers make the destination as the
+	 * role that made it here, which a function destination's calls run as.
+	 * A destination dropped, and maybe made again, in this transaction is
+	 * dropped on the workers first.
 	 */
 	outbox_become_owner(&owner);
 	foreach(lc, notes)
 	{
 		DestNote   *note = lfirst(lc);
 		char	   *definition = dest_sync_definition(note->name, false);
-		char	   *command;
-		char	   *what;
 
-		/* Gone: the workers drop their copies of what was dropped. */
-		if (definition == NULL)
-			definition = note->dropped;
-		if (definition == NULL)
-			continue;
-		command = psprintf("SELECT %s.idem_destination_sync(%s, %s::jsonb, %s)",
-						   quote_identifier(schema), quote_literal_cstr(note->name),
-						   quote_literal_cstr(definition), note->resumed ? "true" : "false");
-		what = psprintf("sending outbox destination \"%s\"", note->name);
-		shard_run_on_workers(command, what);
+		if (note->dropped != NULL)
+			dest_sync_send_one(schema, note->name, note->dropped, false);
+		if (definition != NULL)
+			dest_sync_send_one(schema, note->name, definition, note->resumed);
 	}
 	outbox_restore_user(&owner);
 }
@@ -352,7 +383,7 @@ dest_sync_read_here(text *name, DestHere *here)
 		here->run_as = DatumGetObjectId(SPI_getbinval(tup, desc, 3, &isnull));
 		d = SPI_getbinval(tup, desc, 4, &isnull);
 		here->func = isnull ? InvalidOid : DatumGetObjectId(d);
-		here->func_text = MemoryContextStrdup(outer, func_text ? func_text : "no function");
+		here->func_text = func_text ? MemoryContextStrdup(outer, func_text) : psprintf("%u", here->func);
 		d = SPI_getbinval(tup, desc, 6, &isnull);
 		here->func_named = !isnull && DatumGetBool(d);
 	}
@@ -360,29 +391,26 @@ dest_sync_read_here(text *name, DestHere *here)
 	outbox_restore_user(&owner);
 }
 
-/* The name of the role that owns function func, or NULL. */
-static char *
-dest_sync_func_owner(Oid func)
+/*
+ * Whether the function of a definition is gone on the coordinator: its
+ * schema is sent null.  NULL when the definition does not say (a
+ * superuser's own call).
+ */
+static JsonbValue *
+dest_sync_func_field(Jsonb *definition)
 {
-	HeapTuple	tup = SearchSysCache1(PROCOID, ObjectIdGetDatum(func));
-	Oid			proowner;
-
-	if (!HeapTupleIsValid(tup))
-		return NULL;
-	proowner = ((Form_pg_proc) GETSTRUCT(tup))->proowner;
-	ReleaseSysCache(tup);
-	return GetUserNameFromId(proowner, true);
+	return dest_sync_field(definition, "func_schema");
 }
 
 /*
  * Whether this node's destination here is a copy of the coordinator's
- * definition: the same kind and target and, for a function destination,
- * run as the same role (or, the coordinator's having been dropped, as a
- * role that no longer exists here either), calling the function its
- * target names, owned by the same role as on the coordinator.  A
- * destination of this node's own that would run otherwise is never taken
- * over.  With report, a difference is an error that names it; otherwise
- * the answer is false.
+ * definition: the same kind and target, made by the same role (or, the
+ * coordinator's having been dropped, by a role that no longer exists here
+ * either) and, for a function destination, calling a function of the same
+ * schema, name and owner as the coordinator's (or, that one having been
+ * dropped, none that exists here either).  A destination of this node's
+ * own is never taken over.  With report, a difference is an error that
+ * names it; otherwise the answer is false.
  */
 static bool
 dest_sync_is_copy(text *name, Jsonb *definition, const DestHere *here, bool report)
@@ -390,8 +418,9 @@ dest_sync_is_copy(text *name, Jsonb *definition, const DestHere *here, bool repo
 	char	   *kind = dest_sync_text(definition, "kind");
 	char	   *target = dest_sync_text(definition, "target");
 	JsonbValue *run_as_field;
-	JsonbValue *owner_field;
+	JsonbValue *func_field;
 	char	   *here_role;
+	HeapTuple	proc;
 
 	if (strcmp(here->kind, kind) != 0 || strcmp(here->target, target) != 0)
 	{
@@ -403,8 +432,6 @@ dest_sync_is_copy(text *name, Jsonb *definition, const DestHere *here, bool repo
 					 errhint("Drop it on this node first.")));
 		return false;
 	}
-	if (strcmp(kind, "function") != 0)
-		return true;
 
 	/*
 	 * The coordinator sends the role by name, or null when it was dropped
@@ -420,7 +447,7 @@ dest_sync_is_copy(text *name, Jsonb *definition, const DestHere *here, bool repo
 			if (report)
 				ereport(ERROR,
 						(errcode(ERRCODE_DUPLICATE_OBJECT),
-						 errmsg("destination \"%s\" on this node runs as role \"%s\", but the role that created it on the coordinator no longer exists",
+						 errmsg("destination \"%s\" on this node belongs to role \"%s\", but the role that created it on the coordinator no longer exists",
 								text_to_cstring(name), here_role),
 						 errhint("Drop it on this node first.")));
 			return false;
@@ -438,40 +465,101 @@ dest_sync_is_copy(text *name, Jsonb *definition, const DestHere *here, bool repo
 			if (here_role == NULL)
 				ereport(ERROR,
 						(errcode(ERRCODE_DUPLICATE_OBJECT),
-						 errmsg("destination \"%s\" on this node runs as a role that no longer exists, not as \"%s\"",
+						 errmsg("destination \"%s\" on this node belongs to a role that no longer exists, not to \"%s\"",
 								text_to_cstring(name), GetUserNameFromId(run_as, false)),
 						 errhint("Drop it on this node first.")));
 			ereport(ERROR,
 					(errcode(ERRCODE_DUPLICATE_OBJECT),
-					 errmsg("destination \"%s\" on this node runs as role \"%s\", not as \"%s\"",
+					 errmsg("destination \"%s\" on this node belongs to role \"%s\", not to \"%s\"",
 							text_to_cstring(name), here_role, GetUserNameFromId(run_as, false)),
 					 errhint("Drop it on this node first.")));
 		}
 	}
-
-	/* Another function than its target names now (one renamed since, say). */
-	if (!here->func_named)
-	{
-		if (report)
-			ereport(ERROR,
-					(errcode(ERRCODE_DUPLICATE_OBJECT),
-					 errmsg("destination \"%s\" on this node calls %s, not %s",
-							text_to_cstring(name), here->func_text, target),
-					 errhint("Drop it on this node first.")));
-		return false;
-	}
+	if (strcmp(kind, "function") != 0)
+		return true;
 
 	/*
-	 * A function of the same name made here by another role than the
-	 * coordinator's function's owner (where DDL does not propagate, say)
-	 * would run that role's code as the destination's role.
+	 * The function: the coordinator's own, which a rename there (and here)
+	 * may have moved away from the target's text; a definition without it
+	 * (a superuser's own call) compares with the function the target names.
 	 */
-	owner_field = dest_sync_field(definition, "func_owner");
-	if (owner_field != NULL && owner_field->type == jbvString)
+	func_field = dest_sync_func_field(definition);
+	proc = SearchSysCache1(PROCOID, ObjectIdGetDatum(here->func));
+	if (func_field == NULL)
 	{
+		if (HeapTupleIsValid(proc))
+			ReleaseSysCache(proc);
+		if (!here->func_named)
+		{
+			if (report)
+				ereport(ERROR,
+						(errcode(ERRCODE_DUPLICATE_OBJECT),
+						 errmsg("destination \"%s\" on this node calls %s, not %s",
+								text_to_cstring(name), here->func_text, target),
+						 errhint("Drop it on this node first.")));
+			return false;
+		}
+		return true;
+	}
+	if (func_field->type == jbvNull)
+	{
+		/* Dropped on the coordinator: a copy calls none either. */
+		if (HeapTupleIsValid(proc))
+		{
+			ReleaseSysCache(proc);
+			if (report)
+				ereport(ERROR,
+						(errcode(ERRCODE_DUPLICATE_OBJECT),
+						 errmsg("destination \"%s\" on this node calls %s, but the function of the destination on the coordinator no longer exists",
+								text_to_cstring(name), here->func_text),
+						 errhint("Drop it on this node first.")));
+			return false;
+		}
+		return true;
+	}
+	else
+	{
+		Form_pg_proc form;
+		char	   *schema = dest_sync_text(definition, "func_schema");
+		char	   *func_name = dest_sync_text(definition, "func_name");
 		char	   *owner = dest_sync_text(definition, "func_owner");
-		char	   *here_owner = dest_sync_func_owner(here->func);
+		char	   *here_schema;
+		char	   *here_owner;
+		bool		same_name;
 
+		if (!HeapTupleIsValid(proc))
+		{
+			if (report)
+				ereport(ERROR,
+						(errcode(ERRCODE_DUPLICATE_OBJECT),
+						 errmsg("destination \"%s\" on this node calls a function that no longer exists, not %s(jsonb)",
+								text_to_cstring(name), quote_qualified_identifier(schema, func_name)),
+						 errhint("Drop it on this node first.")));
+			return false;
+		}
+		form = (Form_pg_proc) GETSTRUCT(proc);
+		here_schema = get_namespace_name(form->pronamespace);
+		here_owner = GetUserNameFromId(form->proowner, true);
+		same_name = here_schema != NULL && strcmp(here_schema, schema) == 0 &&
+			strcmp(NameStr(form->proname), func_name) == 0;
+		ReleaseSysCache(proc);
+		if (!same_name)
+		{
+			if (report)
+				ereport(ERROR,
+						(errcode(ERRCODE_DUPLICATE_OBJECT),
+						 errmsg("destination \"%s\" on this node calls %s, not %s(jsonb)",
+								text_to_cstring(name), here->func_text,
+								quote_qualified_identifier(schema, func_name)),
+						 errhint("Drop it on this node first.")));
+			return false;
+		}
+
+		/*
+		 * A function of the same name made here by another role than the
+		 * coordinator's function's owner (where DDL does not propagate, say)
+		 * would run that role's code as the destination's role.
+		 */
 		if (here_owner == NULL || strcmp(here_owner, owner) != 0)
 		{
 			if (report)
@@ -479,7 +567,7 @@ dest_sync_is_copy(text *name, Jsonb *definition, const DestHere *here, bool repo
 						(errcode(ERRCODE_INSUFFICIENT_PRIVILEGE),
 						 errmsg("destination \"%s\" on this node calls %s, owned by role \"%s\", not by \"%s\" as on the coordinator",
 								text_to_cstring(name), here->func_text,
-								here_owner ? here_owner : "?", owner),
+								here_owner ? here_owner : "", owner),
 						 errhint("Make the function on this node as the role that owns it on the coordinator.")));
 			return false;
 		}
@@ -511,6 +599,7 @@ idem_destination_sync(PG_FUNCTION_ARGS)
 	char	   *kind;
 	char	   *target;
 	JsonbValue *run_as_field;
+	JsonbValue *func_field;
 	JsonbValue *paused;
 	JsonbValue *dropped;
 	DestHere	here;
@@ -548,12 +637,14 @@ idem_destination_sync(PG_FUNCTION_ARGS)
 		Datum		topics;
 
 		/*
-		 * A function destination resolves its target as on the coordinator,
-		 * and is made by the role it runs as there, which must be allowed to
-		 * call the function here too.
+		 * The destination is made by the role that made it on the
+		 * coordinator (a function destination runs as it, and that role
+		 * must be allowed to call the function here too), and a function
+		 * destination resolves its target as there.  Neither a role nor a
+		 * function dropped there can be made again here.
 		 */
 		run_as_field = dest_sync_field(definition, "run_as");
-		if (strcmp(kind, "function") == 0 && run_as_field != NULL)
+		if (run_as_field != NULL)
 		{
 			if (run_as_field->type == jbvNull)
 				ereport(ERROR,
@@ -563,6 +654,13 @@ idem_destination_sync(PG_FUNCTION_ARGS)
 						 errhint("Drop the destination and create it again.")));
 			run_as = get_role_oid(dest_sync_text(definition, "run_as"), false);
 		}
+		func_field = dest_sync_func_field(definition);
+		if (strcmp(kind, "function") == 0 && func_field != NULL && func_field->type == jbvNull)
+			ereport(ERROR,
+					(errcode(ERRCODE_UNDEFINED_FUNCTION),
+					 errmsg("the function of destination \"%s\" no longer exists",
+							text_to_cstring(name)),
+					 errhint("Drop the destination and create it again.")));
 		(void) set_config_option("search_path", dest_sync_text(definition, "search_path"),
 								 PGC_USERSET, PGC_S_SESSION, GUC_ACTION_SAVE, true, 0, false);
 		topics = dest_sync_topics(definition);
@@ -633,7 +731,7 @@ idem_citus_send_destinations(PG_FUNCTION_ARGS)
 	SPI_finish();
 	outbox_restore_user(&owner);
 	foreach(lc, names)
-		dest_sync_note(lfirst(lc), false);
+		dest_sync_note(lfirst(lc), false, false);
 	PG_RETURN_INT32(list_length(names));
 }
 

@@ -591,7 +591,7 @@ idem_destination_create(PG_FUNCTION_ARGS)
 		ereport(ERROR,
 				(errcode(ERRCODE_DUPLICATE_OBJECT),
 				 errmsg("destination \"%s\" already exists", text_to_cstring(name))));
-	dest_sync_note(name, false);
+	dest_sync_note(name, true, false);
 	PG_RETURN_VOID();
 }
 
@@ -653,7 +653,7 @@ idem_destination_alter(PG_FUNCTION_ARGS)
 						" WHERE name = $1",
 						11, argtypes, values, nulls, SPI_OK_UPDATE);
 	outbox_dests_changed_at_commit();
-	dest_sync_note(name, false);
+	dest_sync_note(name, false, false);
 	PG_RETURN_VOID();
 }
 
@@ -678,7 +678,7 @@ idem_destination_drop(PG_FUNCTION_ARGS)
 					 1, argtypes, values, NULL, SPI_OK_SELECT) == 0)
 		dest_report_missing(name);
 	outbox_dests_changed_at_commit();
-	dest_sync_note(name, false);
+	dest_sync_note(name, false, false);
 	PG_RETURN_VOID();
 }
 
@@ -694,7 +694,7 @@ idem_destination_pause(PG_FUNCTION_ARGS)
 					 1, argtypes, values, NULL, SPI_OK_UPDATE) == 0)
 		dest_report_missing(name);
 	outbox_dests_changed_at_commit();
-	dest_sync_note(name, false);
+	dest_sync_note(name, false, false);
 	PG_RETURN_VOID();
 }
 
@@ -719,7 +719,7 @@ idem_destination_resume(PG_FUNCTION_ARGS)
 					 1, argtypes, values, NULL, SPI_OK_UPDATE) == 0)
 		dest_report_missing(name);
 	outbox_dests_changed_at_commit();
-	dest_sync_note(name, true);
+	dest_sync_note(name, false, true);
 	PG_RETURN_VOID();
 }
 

@@ -123,7 +123,7 @@ extern PGDLLEXPORT Datum idem_destination_drop(PG_FUNCTION_ARGS);
 extern PGDLLEXPORT Datum idem_destination_resume(PG_FUNCTION_ARGS);
 
 /* dest_sync.c: destinations reach every node of a Citus cluster */
-extern void dest_sync_note(text *name, bool resumed);
+extern void dest_sync_note(text *name, bool created, bool resumed);
 extern void dest_sync_note_drop(text *name);
 
 #endif							/* IDEM_OUTBOX_H */

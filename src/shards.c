@@ -577,19 +577,16 @@ shard_citus_coordinator(void)
 /*
  * Run command on every worker of the Citus cluster (run_command_on_workers:
  * a connection of the current role to each, in a transaction of its own).
- * An error on any of them is an error here, which says where and why; what
- * names the command for the message.
+ * Returns on how many it failed, and appends to failures, for each of them,
+ * the node and its error.
  */
-void
-shard_run_on_workers(const char *command, const char *what)
+int
+shard_run_on_workers(const char *command, StringInfo failures)
 {
 	Oid			argtypes[1] = {TEXTOID};
 	Datum		values[1] = {CStringGetTextDatum(command)};
-	StringInfoData failures;
 	int			nfailed = 0;
 
-	/* Outside SPI's memory, which SPI_finish frees before the report. */
-	initStringInfo(&failures);
 	if (SPI_connect() != SPI_OK_CONNECT)
 		elog(ERROR, "SPI_connect failed");
 	if (SPI_execute_with_args("SELECT w.nodename, w.nodeport, w.result"
@@ -601,19 +598,14 @@ shard_run_on_workers(const char *command, const char *what)
 		HeapTuple	tup = SPI_tuptable->vals[i];
 		TupleDesc	desc = SPI_tuptable->tupdesc;
 
-		appendStringInfo(&failures, "%s%s:%s: %s", nfailed > 0 ? "; " : "",
+		/* failures is the caller's, outside SPI's memory. */
+		appendStringInfo(failures, "%s%s:%s: %s", nfailed > 0 ? "; " : "",
 						 SPI_getvalue(tup, desc, 1), SPI_getvalue(tup, desc, 2),
 						 SPI_getvalue(tup, desc, 3));
 		nfailed++;
 	}
 	SPI_finish();
-	if (nfailed > 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg_plural("%s failed on %d Citus worker", "%s failed on %d Citus workers",
-								nfailed, what, nfailed),
-				 errdetail("%s", failures.data),
-				 errhint("Nothing changed on this node.  The workers where it succeeded have it already; running the same command again brings every node to this node's state.")));
+	return nfailed;
 }
 
 /*

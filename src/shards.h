@@ -11,6 +11,7 @@
 
 #include "postgres.h"
 
+#include "lib/stringinfo.h"
 #include "nodes/pg_list.h"
 #include "utils/rel.h"
 
@@ -38,7 +39,7 @@ extern List *shard_local_relids(Oid relid);
 extern bool shard_has_tenant_column(Relation rel, int natts);
 extern Datum shard_tenant_value(Relation rel, int natts, text *value);
 extern bool shard_citus_coordinator(void);
-extern void shard_run_on_workers(const char *command, const char *what);
+extern int	shard_run_on_workers(const char *command, StringInfo failures);
 extern void shard_commit_with_2pc(void);
 extern int32 shard_local_group(void);
 

@@ -57,7 +57,10 @@
 # 17. nor when the coordinator's creator was dropped, nor by a destination
 #     created and dropped in one coordinator transaction, and a worker
 #     refuses a function destination whose function there another role
-#     made.
+#     made;
+# 18. copies are told apart by the role that made them, drops by what the
+#     destination was when the coordinator's transaction began, functions
+#     by their own name (renamed) or absence (dropped).
 #
 # Skipped when Citus is not installed.
 use strict;
@@ -960,7 +963,7 @@ sub crash_coordinator
 		SET ROLE ops;
 		SELECT idem_destination_create('w1own', 'function', 'fdest(jsonb)', '{w1.*}');});
 	like(coord_try(q{SELECT idem_destination_create('w1own', 'function', 'fdest(jsonb)', '{w1.*}')}),
-		qr/ERROR:  sending outbox destination "w1own" failed on 1 Citus worker.*destination "w1own" on this node runs as role "ops", not as "postgres"/s,
+		qr/ERROR:  sending outbox destination "w1own" failed on 1 Citus worker.*destination "w1own" on this node belongs to role "ops", not to "postgres"/s,
 		'16: a worker\'s function destination that runs as another role is not taken over');
 	is( on($w1, q{SELECT run_as::regrole || ' ' || array_to_string(topics, ',') FROM idempotency.destinations WHERE name = 'w1own'}),
 		'ops w1.*', '16: and it still runs as its creator');
@@ -972,7 +975,7 @@ sub crash_coordinator
 		ALTER FUNCTION fsink(jsonb) RENAME TO fsink_renamed;});
 	coord(q{CREATE FUNCTION fsink(event jsonb) RETURNS void LANGUAGE sql AS 'SELECT NULL'});
 	like(coord_try(q{SELECT idem_destination_create('w1fn', 'function', 'fsink(jsonb)', '{w1.*}')}),
-		qr/ERROR:  sending outbox destination "w1fn" failed on 1 Citus worker.*destination "w1fn" on this node calls public\.fsink_renamed\(jsonb\), not public\.fsink\(pg_catalog\.jsonb\)/s,
+		qr/ERROR:  sending outbox destination "w1fn" failed on 1 Citus worker.*destination "w1fn" on this node calls public\.fsink_renamed\(jsonb\), not public\.fsink\(jsonb\)/s,
 		'16: a worker\'s function destination that calls another function than its target names is not taken over');
 	is( on($w1, q{SELECT func::regproc FROM idempotency.destinations WHERE name = 'w1fn'}),
 		'fsink_renamed', '16: and it still calls that function');
@@ -998,6 +1001,20 @@ sub crash_coordinator
 		on($node, q{SET citus.enable_ddl_propagation = off;
 			SELECT idem_destination_drop(name) FROM idem_destinations WHERE name IN ('w1own', 'w1fn', 'gonenotify', 'gonefn')});
 	}
+}
+
+# As $role on the coordinator, create destination $name and drop it in one
+# transaction: "done", or the error.
+sub create_and_drop_as
+{
+	my ($role, $name, $kind, $target) = @_;
+	return coord_try(qq{
+		SET ROLE $role;
+		DO \$\$BEGIN
+			PERFORM idem_destination_create('$name', '$kind', '$target', '{x.*}');
+			PERFORM idem_destination_drop('$name');
+		END\$\$;
+		SELECT 'done';});
 }
 
 # ---- 17. What the coordinator sends is the coordinator's destination only.
@@ -1028,7 +1045,7 @@ sub crash_coordinator
 		SELECT idem_destination_create('orphan', 'function', 'fdest(jsonb)', '{w1ops.*}');});
 	coord(q{DROP ROLE gone2});
 	like(coord_try(q{SELECT idem_destination_alter('orphan', '{"max_attempts": 3}')}),
-		qr/ERROR:  sending outbox destination "orphan" failed on 1 Citus worker.*destination "orphan" on this node runs as role "ops", but the role that created it on the coordinator no longer exists/s,
+		qr/ERROR:  sending outbox destination "orphan" failed on 1 Citus worker.*destination "orphan" on this node belongs to role "ops", but the role that created it on the coordinator no longer exists/s,
 		'17a: a worker\'s function destination of a role that exists is not taken over after the coordinator\'s creator was dropped');
 	is( on($w1, q{SELECT run_as::regrole || ' ' || array_to_string(topics, ',') || ' ' || max_attempts FROM idempotency.destinations WHERE name = 'orphan'}),
 		'ops w1ops.* 10', '17a: it keeps its topics and options');
@@ -1045,13 +1062,7 @@ sub crash_coordinator
 		GRANT EXECUTE ON FUNCTION idem_destination_create(text, text, text, text[], jsonb),
 			idem_destination_drop(text) TO dropper;});
 	on($w1, q{SELECT idem_destination_create('w1keep', 'function', 'fdest(jsonb)', '{w1keep.*}')});
-	is( coord_try(q{
-			SET ROLE dropper;
-			DO $$BEGIN
-				PERFORM idem_destination_create('w1keep', 'notify', 'dropper_channel', '{x.*}');
-				PERFORM idem_destination_drop('w1keep');
-			END$$;
-			SELECT 'done';}),
+	is( create_and_drop_as('dropper', 'w1keep', 'notify', 'dropper_channel'),
 		'done', '17b: a role creates and drops a destination in one transaction on the coordinator');
 	is( on($w1, q{SELECT kind || ' ' || run_as::regrole FROM idempotency.destinations WHERE name = 'w1keep'}),
 		'function postgres', '17b: the worker\'s own destination of that name is still there');
@@ -1085,6 +1096,103 @@ sub crash_coordinator
 		on($node, q{SET citus.enable_ddl_propagation = off;
 			DROP FUNCTION IF EXISTS fplant(jsonb);
 			SELECT idem_destination_drop(name) FROM idem_destinations WHERE name IN ('orphan', 'w1keep')});
+	}
+}
+
+# ---- 18. Copies are told apart by their creator, drops by what the
+# destination was when the transaction began, functions by their own name:
+#  a. a worker's own notify destination, made there by another role, is not
+#     dropped by a role that creates and drops one of the same name, kind
+#     and target in one coordinator transaction, nor changed by its create;
+#  b. a destination dropped, made again and dropped again in one coordinator
+#     transaction is dropped on every worker;
+#  c. one dropped and made again with another target is made again
+#     everywhere;
+#  d. a function destination whose function was renamed everywhere is still
+#     paused and dropped everywhere;
+#  e. a function destination whose function was dropped on the coordinator
+#     is not made on a worker, where another role made a function of that
+#     name.
+{
+	my ($w1, $w2) = @workers;
+
+	# a.
+	on($w1, q{SELECT idem_destination_create('w1note', 'notify', 'w1chan', '{w1note.*}')});
+	is( create_and_drop_as('dropper', 'w1note', 'notify', 'w1chan'),
+		'done', '18a: a role creates and drops a notify destination in one transaction on the coordinator');
+	is( on($w1, q{SELECT run_as::regrole || ' ' || array_to_string(topics, ',') FROM idempotency.destinations WHERE name = 'w1note'}),
+		'postgres w1note.*', '18a: the worker\'s own notify destination of that name and target is still there');
+	like(coord_try(q{SET ROLE dropper; SELECT idem_destination_create('w1note', 'notify', 'w1chan', '{x.*}')}),
+		qr/ERROR:  sending outbox destination "w1note" failed on 1 Citus worker.*destination "w1note" on this node belongs to role "postgres", not to "dropper"/s,
+		'18a: nor does its create take it over');
+	is( on($w1, q{SELECT array_to_string(topics, ',') FROM idempotency.destinations WHERE name = 'w1note'}),
+		'w1note.*', '18a: its topics are its own');
+	on($w2, q{SELECT idem_destination_drop('w1note')});
+
+	# b.
+	coord(q{SELECT idem_destination_create('twice', 'notify', 'chan_a', '{twice.*}')});
+	coord(q{BEGIN;
+		SELECT idem_destination_drop('twice');
+		SELECT idem_destination_create('twice', 'notify', 'chan_b', '{twice.*}');
+		SELECT idem_destination_drop('twice');
+		COMMIT;});
+	is( join(' ', map { on($_, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'twice'}) } $cluster->nodes),
+		'0 0 0', '18b: dropped, made again and dropped again: gone from every node');
+
+	# c.
+	coord(q{SELECT idem_destination_create('moved', 'notify', 'chan_a', '{moved.*}')});
+	is( coord_try(q{BEGIN;
+			SELECT 'dropped' FROM idem_destination_drop('moved');
+			SELECT 'made' FROM idem_destination_create('moved', 'notify', 'chan_b', '{moved.*}');
+			COMMIT;}),
+		"dropped\nmade", '18c: dropped and made again with another target in one transaction');
+	is_deeply([ map { on($_, q{SELECT target FROM idempotency.destinations WHERE name = 'moved'}) } $cluster->nodes ],
+		[ ('chan_b') x 3 ], '18c: every node has the new target');
+	coord(q{SELECT idem_destination_drop('moved')});
+
+	# d.
+	coord(q{
+		CREATE FUNCTION fren(event jsonb) RETURNS void LANGUAGE sql AS 'SELECT NULL';
+		SELECT idem_destination_create('renamed', 'function', 'fren(jsonb)', '{renamed.*}');
+		ALTER FUNCTION fren(jsonb) RENAME TO fren2;});
+	is( coord_try(q{SELECT 'paused' FROM idem_destination_pause('renamed')}),
+		'paused', '18d: a function destination whose function was renamed everywhere is paused');
+	is_deeply([ map { on($_, q{SELECT func::regproc || ' ' || paused FROM idempotency.destinations WHERE name = 'renamed'}) } $cluster->nodes ],
+		[ ('fren2 true') x 3 ], '18d: on every node');
+	coord(q{SELECT idem_destination_drop('renamed')});
+	is( join(' ', map { on($_, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'renamed'}) } $cluster->nodes),
+		'0 0 0', '18d: and dropped everywhere');
+	coord(q{DROP FUNCTION fren2(jsonb)});
+
+	# e.
+	coord(q{
+		CREATE FUNCTION flost(event jsonb) RETURNS void LANGUAGE sql AS 'SELECT NULL';
+		SELECT idem_destination_create('lost', 'function', 'flost(jsonb)', '{lost.*}');
+		DROP FUNCTION flost(jsonb);});
+	on($w2, q{
+		SELECT idem_destination_drop('lost');
+		SET citus.enable_ddl_propagation = off;
+		CREATE ROLE mallory;
+		GRANT CREATE ON SCHEMA public TO mallory;
+		SET ROLE mallory;
+		CREATE FUNCTION flost(event jsonb) RETURNS void LANGUAGE sql AS 'SELECT NULL';});
+	like(coord_try(q{SELECT idem_destination_pause('lost')}),
+		qr/ERROR:  sending outbox destination "lost" failed on 1 Citus worker.*the function of destination "lost" no longer exists/s,
+		'18e: a worker does not make a function destination whose function was dropped on the coordinator');
+	is( on($w2, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'lost'}),
+		'0', '18e: and calls no function of another role for it');
+	on($w2, q{
+		SET citus.enable_ddl_propagation = off;
+		DROP FUNCTION flost(jsonb);
+		REVOKE CREATE ON SCHEMA public FROM mallory;
+		DROP ROLE mallory;});
+	coord(q{SELECT idem_destination_drop('lost')});
+	is( join(' ', map { on($_, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'lost'}) } $cluster->nodes),
+		'0 0 0', '18e: its drop reaches the worker that has a copy');
+	for my $node ($cluster->nodes)
+	{
+		on($node, q{SET citus.enable_ddl_propagation = off;
+			SELECT idem_destination_drop(name) FROM idem_destinations WHERE name IN ('w1note')});
 	}
 }
 

@@ -66,13 +66,14 @@ typedef struct DestNote
 	bool		resumed;		/* idem_destination_resume ran on it */
 	bool		created;		/* first noted by idem_destination_create */
 	char	   *dropped;		/* its definition at the start, if dropped */
+	int32		dropped_id;		/* and the id of that destination */
 } DestNote;
 
 static List *dest_notes = NIL;	/* in TopTransactionContext */
 static bool dest_sync_registered = false;
 
 static void dest_sync_xact_callback(XactEvent event, void *arg);
-static char *dest_sync_definition(const char *name, bool dropped);
+static char *dest_sync_definition(const char *name, bool dropped, int32 *id);
 
 /*
  * The note of name in this transaction, made if there is none (created and
@@ -139,7 +140,7 @@ dest_sync_note_drop(text *name)
 	if (note->created || note->dropped != NULL)
 		return;
 	/* Commands other than create and drop keep kind, target and roles. */
-	note->dropped = dest_sync_definition(text_to_cstring(name), true);
+	note->dropped = dest_sync_definition(text_to_cstring(name), true, &note->dropped_id);
 }
 
 /*
@@ -151,9 +152,10 @@ dest_sync_note_drop(text *name)
  * created the destination (a function destination runs as it), null if it
  * was dropped; and a function destination's function goes by schema, name
  * and owner (its signature is always (jsonb)), all null if it was dropped.
+ * Sets *id to the destination's id (another one if it was made again).
  */
 static char *
-dest_sync_definition(const char *name, bool dropped)
+dest_sync_definition(const char *name, bool dropped, int32 *id)
 {
 	OutboxOwnerState owner;
 	Oid			argtypes[2] = {TEXTOID, BOOLOID};
@@ -174,7 +176,7 @@ dest_sync_definition(const char *name, bool dropped)
 							  "            JOIN pg_catalog.pg_roles r ON r.oid = p.proowner WHERE p.oid = func),"
 							  "        'dropped', $2,"
 							  "        'options', options || jsonb_strip_nulls(jsonb_build_object("
-							  "            'secrets', to_jsonb(secrets), 'headers', headers)))::text"
+							  "            'secrets', to_jsonb(secrets), 'headers', headers)))::text, id"
 							  "  FROM idempotency.destinations WHERE name = $1",
 							  2, argtypes, values, NULL, true, 1) != SPI_OK_SELECT)
 		elog(ERROR, "could not read outbox destination \"%s\"", name);
@@ -182,7 +184,10 @@ dest_sync_definition(const char *name, bool dropped)
 	{
 		char	   *d = SPI_getvalue(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1);
 
+		bool		isnull;
+
 		definition = MemoryContextStrdup(TopTransactionContext, d);
+		*id = DatumGetInt32(SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 2, &isnull));
 	}
 	SPI_finish();
 	outbox_restore_user(&owner);
@@ -240,9 +245,11 @@ dest_sync_send(void)
 	foreach(lc, notes)
 	{
 		DestNote   *note = lfirst(lc);
-		char	   *definition = dest_sync_definition(note->name, false);
+		int32		id = 0;
+		char	   *definition = dest_sync_definition(note->name, false, &id);
 
-		if (note->dropped != NULL)
+		/* Not if the drop was rolled back (to a savepoint): the same one. */
+		if (note->dropped != NULL && (definition == NULL || id != note->dropped_id))
 			dest_sync_send_one(schema, note->name, note->dropped, false);
 		if (definition != NULL)
 			dest_sync_send_one(schema, note->name, definition, note->resumed);

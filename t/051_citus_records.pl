@@ -1112,7 +1112,8 @@ sub create_and_drop_as
 #     paused and dropped everywhere;
 #  e. a function destination whose function was dropped on the coordinator
 #     is not made on a worker, where another role made a function of that
-#     name.
+#     name;
+#  f. a drop rolled back to a savepoint does not drop the workers' copies.
 {
 	my ($w1, $w2) = @workers;
 
@@ -1189,10 +1190,25 @@ sub create_and_drop_as
 	coord(q{SELECT idem_destination_drop('lost')});
 	is( join(' ', map { on($_, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'lost'}) } $cluster->nodes),
 		'0 0 0', '18e: its drop reaches the worker that has a copy');
+
+	# f.
+	coord(q{SELECT idem_destination_create('kept', 'notify', 'kept_channel', '{kept.*}')});
+	my $ids = join ' ', map { on($_, q{SELECT id FROM idempotency.destinations WHERE name = 'kept'}) } @workers;
+	coord(q{BEGIN;
+		SAVEPOINT s;
+		SELECT idem_destination_drop('kept');
+		ROLLBACK TO SAVEPOINT s;
+		SELECT idem_destination_pause('kept');
+		COMMIT;});
+	is( join(' ', map { on($_, q{SELECT id FROM idempotency.destinations WHERE name = 'kept'}) } @workers),
+		$ids, '18f: a drop rolled back to a savepoint leaves the workers\' copies, with their deliveries');
+	is_deeply([ map { on($_, q{SELECT paused FROM idempotency.destinations WHERE name = 'kept'}) } $cluster->nodes ],
+		[ ('t') x 3 ], '18f: and the rest of the transaction reaches them');
+
 	for my $node ($cluster->nodes)
 	{
 		on($node, q{SET citus.enable_ddl_propagation = off;
-			SELECT idem_destination_drop(name) FROM idem_destinations WHERE name IN ('w1note')});
+			SELECT idem_destination_drop(name) FROM idem_destinations WHERE name IN ('w1note', 'kept')});
 	}
 }
 

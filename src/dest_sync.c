@@ -194,30 +194,32 @@ dest_sync_definition(const char *name, bool dropped, int32 *id)
 	return definition;
 }
 
-/* Send one definition of destination name to every worker; any failure is an error. */
+/*
+ * Append to calls one call of idem_destination_sync, for name and
+ * definition.  The calls are the arguments of one concat(), which
+ * run_command_on_workers takes for its single column and which calls them
+ * in order.
+ */
 static void
-dest_sync_send_one(const char *schema, const char *name, const char *definition, bool resumed)
+dest_sync_append_call(StringInfo calls, const char *schema, const char *name,
+					  const char *definition, bool resumed)
 {
-	StringInfoData failures;
-	int			nfailed;
-
-	initStringInfo(&failures);
-	nfailed = shard_run_on_workers(psprintf("SELECT %s.idem_destination_sync(%s, %s::jsonb, %s)",
-											quote_identifier(schema), quote_literal_cstr(name),
-											quote_literal_cstr(definition),
-											resumed ? "true" : "false"),
-								   &failures);
-	if (nfailed > 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg_plural("sending outbox destination \"%s\" failed on %d Citus worker",
-							   "sending outbox destination \"%s\" failed on %d Citus workers",
-							   nfailed, name, nfailed),
-				 errdetail("%s", failures.data),
-				 errhint("Nothing changed on this node; the workers where it succeeded have it already.  Once the failing workers are up, or have dropped a destination of their own that has this name, running the same command again brings every node to this node's state.")));
+	appendStringInfo(calls, "%s%s.idem_destination_sync(%s, %s::jsonb, %s)",
+					 calls->len > 0 ? ", " : "SELECT pg_catalog.concat(",
+					 quote_identifier(schema), quote_literal_cstr(name),
+					 quote_literal_cstr(definition), resumed ? "true" : "false");
 }
 
-/* Send the noted destinations to every worker, as the extension's owner, before this coordinator commits. */
+/*
+ * Send the noted destinations to every worker, as the extension's owner,
+ * before this coordinator commits.  All of them go in one statement, so
+ * that each worker applies all or none: a transaction that created several
+ * destinations and fails on the workers for one of them leaves none of
+ * them on a worker.  When it fails on some workers only, those where it
+ * succeeded drop again the destinations the transaction created (their
+ * other changes stay, and running the command again makes every node
+ * agree).
+ */
 static void
 dest_sync_send(void)
 {
@@ -225,6 +227,12 @@ dest_sync_send(void)
 	ListCell   *lc;
 	char	   *schema;
 	OutboxOwnerState owner;
+	StringInfoData calls;
+	StringInfoData undo;
+	StringInfoData names;
+	StringInfoData failures;
+	int			nnames = 0;
+	int			nfailed;
 
 	dest_notes = NIL;
 	if (notes == NIL || !shard_citus_coordinator())
@@ -241,20 +249,61 @@ dest_sync_send(void)
 	 * A destination dropped, and maybe made again, in this transaction is
 	 * dropped on the workers first.
 	 */
+	initStringInfo(&calls);
+	initStringInfo(&undo);
+	initStringInfo(&names);
+	initStringInfo(&failures);
 	outbox_become_owner(&owner);
 	foreach(lc, notes)
 	{
 		DestNote   *note = lfirst(lc);
 		int32		id = 0;
 		char	   *definition = dest_sync_definition(note->name, false, &id);
+		bool		send_drop;
 
 		/* Not if the drop was rolled back (to a savepoint): the same one. */
-		if (note->dropped != NULL && (definition == NULL || id != note->dropped_id))
-			dest_sync_send_one(schema, note->name, note->dropped, false);
+		send_drop = note->dropped != NULL && (definition == NULL || id != note->dropped_id);
+		if (send_drop)
+			dest_sync_append_call(&calls, schema, note->name, note->dropped, false);
 		if (definition != NULL)
-			dest_sync_send_one(schema, note->name, definition, note->resumed);
+			dest_sync_append_call(&calls, schema, note->name, definition, note->resumed);
+		if (note->created && definition != NULL)
+			dest_sync_append_call(&undo, schema, note->name,
+								  dest_sync_definition(note->name, true, &id), false);
+		if (send_drop || definition != NULL)
+		{
+			appendStringInfo(&names, "%s\"%s\"", nnames > 0 ? ", " : "", note->name);
+			nnames++;
+		}
+	}
+	if (calls.len == 0)
+	{
+		outbox_restore_user(&owner);
+		return;
+	}
+	appendStringInfoChar(&calls, ')');
+	nfailed = shard_run_on_workers(calls.data, &failures);
+	if (nfailed > 0 && undo.len > 0)
+	{
+		StringInfoData ignored;
+
+		appendStringInfoChar(&undo, ')');
+		initStringInfo(&ignored);
+		(void) shard_run_on_workers(undo.data, &ignored);
 	}
 	outbox_restore_user(&owner);
+	if (nfailed > 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 nnames == 1 ?
+				 errmsg_plural("sending outbox destination %s failed on %d Citus worker",
+							   "sending outbox destination %s failed on %d Citus workers",
+							   nfailed, names.data, nfailed) :
+				 errmsg_plural("sending outbox destinations %s failed on %d Citus worker",
+							   "sending outbox destinations %s failed on %d Citus workers",
+							   nfailed, names.data, nfailed),
+				 errdetail("%s", failures.data),
+				 errhint("Nothing changed on this node, nor on the workers but for changes to destinations that already existed.  Once the failing workers are up, or have dropped a destination of their own that has such a name, running the same commands again brings every node to this node's state.")));
 }
 
 /* Before commit (or prepare): the workers get the destinations changed here. */
@@ -263,8 +312,22 @@ dest_sync_xact_callback(XactEvent event, void *arg)
 {
 	switch (event)
 	{
-		case XACT_EVENT_PRE_COMMIT:
 		case XACT_EVENT_PRE_PREPARE:
+
+			/*
+			 * The workers apply the changes in transactions of their own:
+			 * they cannot wait for COMMIT PREPARED or ROLLBACK PREPARED.
+			 */
+			if (dest_notes == NIL)
+				break;
+			PushActiveSnapshot(GetTransactionSnapshot());
+			if (shard_citus_coordinator())
+				ereport(ERROR,
+						(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+						 errmsg("cannot prepare a transaction that changed outbox destinations on a Citus coordinator")));
+			PopActiveSnapshot();
+			break;
+		case XACT_EVENT_PRE_COMMIT:
 			if (dest_notes != NIL)
 			{
 				PushActiveSnapshot(GetTransactionSnapshot());
@@ -390,7 +453,8 @@ dest_sync_read_here(text *name, DestHere *here)
 		here->run_as = DatumGetObjectId(SPI_getbinval(tup, desc, 3, &isnull));
 		d = SPI_getbinval(tup, desc, 4, &isnull);
 		here->func = isnull ? InvalidOid : DatumGetObjectId(d);
-		here->func_text = func_text ? MemoryContextStrdup(outer, func_text) : psprintf("%u", here->func);
+		here->func_text = func_text ? MemoryContextStrdup(outer, func_text) :
+			MemoryContextStrdup(outer, psprintf("%u", here->func));
 		d = SPI_getbinval(tup, desc, 6, &isnull);
 		here->func_named = !isnull && DatumGetBool(d);
 	}
@@ -720,6 +784,7 @@ Datum
 idem_citus_send_destinations(PG_FUNCTION_ARGS)
 {
 	OutboxOwnerState owner;
+	MemoryContext outer = CurrentMemoryContext;
 	List	   *names = NIL;
 	ListCell   *lc;
 
@@ -732,8 +797,11 @@ idem_citus_send_destinations(PG_FUNCTION_ARGS)
 	{
 		bool		isnull;
 		Datum		d = SPI_getbinval(SPI_tuptable->vals[i], SPI_tuptable->tupdesc, 1, &isnull);
+		MemoryContext spi = MemoryContextSwitchTo(outer);
 
+		/* SPI_finish frees SPI's memory: the list outlives it. */
 		names = lappend(names, DatumGetTextPCopy(d));
+		MemoryContextSwitchTo(spi);
 	}
 	SPI_finish();
 	outbox_restore_user(&owner);

@@ -1084,8 +1084,7 @@ sub create_and_drop_as
 		qr/ERROR:  sending outbox destination "sudest" failed on 1 Citus worker.*destination "sudest" on this node calls public\.fplant\(jsonb\), owned by role "planter", not by "postgres" as on the coordinator/s,
 		'17c: a worker refuses a function destination whose function there was made by another role');
 	is( join(' ', map { on($_, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'sudest'}) } $cluster->nodes),
-		'0 0 1', '17c: it has none, nor has the coordinator; the other worker has a copy');
-	on($w2, q{SELECT idem_destination_drop('sudest')});
+		'0 0 0', '17c: it has none, nor has the coordinator, nor the other worker, which made it and dropped it again');
 	on($w1, q{
 		SET citus.enable_ddl_propagation = off;
 		DROP FUNCTION fplant(jsonb);
@@ -1113,7 +1112,10 @@ sub create_and_drop_as
 #  e. a function destination whose function was dropped on the coordinator
 #     is not made on a worker, where another role made a function of that
 #     name;
-#  f. a drop rolled back to a savepoint does not drop the workers' copies.
+#  f. a drop rolled back to a savepoint does not drop the workers' copies;
+#  g. a transaction that creates several destinations and fails on some
+#     worker leaves none of them on any worker; one that changed
+#     destinations cannot be prepared.
 {
 	my ($w1, $w2) = @workers;
 
@@ -1128,7 +1130,8 @@ sub create_and_drop_as
 		'18a: nor does its create take it over');
 	is( on($w1, q{SELECT array_to_string(topics, ',') FROM idempotency.destinations WHERE name = 'w1note'}),
 		'w1note.*', '18a: its topics are its own');
-	on($w2, q{SELECT idem_destination_drop('w1note')});
+	is( on($w2, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'w1note'}),
+		'0', '18a: the other worker, which made a copy, dropped it again');
 
 	# b.
 	coord(q{SELECT idem_destination_create('twice', 'notify', 'chan_a', '{twice.*}')});
@@ -1205,10 +1208,38 @@ sub create_and_drop_as
 	is_deeply([ map { on($_, q{SELECT paused FROM idempotency.destinations WHERE name = 'kept'}) } $cluster->nodes ],
 		[ ('t') x 3 ], '18f: and the rest of the transaction reaches them');
 
+	# g.
+	coord(q{
+		SET citus.enable_ddl_propagation = off;
+		CREATE FUNCTION fcoordonly(event jsonb) RETURNS void LANGUAGE sql AS 'SELECT NULL';});
+	like(coord_try(q{SET ROLE dropper; BEGIN;
+			SELECT idem_destination_create('plant1', 'notify', 'plant_channel', '{orders.*}');
+			SELECT idem_destination_create('plant2', 'function', 'fcoordonly(jsonb)', '{orders.*}');
+			COMMIT;}),
+		qr/ERROR:  sending outbox destinations "plant1", "plant2" failed on 2 Citus workers/,
+		'18g: a transaction creating two destinations, the second refused by every worker, fails');
+	on($w1, q{SELECT idem_destination_create('plant4', 'notify', 'w1_plant4', '{w1.*}')});
+	like(coord_try(q{SET ROLE dropper; BEGIN;
+			SELECT idem_destination_create('plant3', 'notify', 'plant_channel', '{orders.*}');
+			SELECT idem_destination_create('plant4', 'notify', 'plant_channel', '{orders.*}');
+			COMMIT;}),
+		qr/ERROR:  sending outbox destinations "plant3", "plant4" failed on 1 Citus worker/,
+		'18g: so does one refused by one worker only');
+	is( join(' ', map { on($_, q{SELECT string_agg(name || ':' || run_as::regrole, ',' ORDER BY name) FROM idempotency.destinations WHERE name LIKE 'plant%'}) } $cluster->nodes),
+		' plant4:postgres ', '18g: no node has the destinations of either, but the worker\'s own');
+	like(coord_error(q{BEGIN;
+			SELECT idem_destination_create('prepared', 'notify', 'prepared_channel', '{x.*}');
+			PREPARE TRANSACTION 'dest';}),
+		qr/ERROR:  0A000: cannot prepare a transaction that changed outbox destinations on a Citus coordinator/,
+		'18g: a transaction that changed destinations cannot be prepared');
+	coord(q{ROLLBACK PREPARED 'dest'})
+		if coord(q{SELECT count(*) FROM pg_prepared_xacts WHERE gid = 'dest'}) eq '1';
+	coord(q{SET citus.enable_ddl_propagation = off; DROP FUNCTION fcoordonly(jsonb);});
+
 	for my $node ($cluster->nodes)
 	{
 		on($node, q{SET citus.enable_ddl_propagation = off;
-			SELECT idem_destination_drop(name) FROM idem_destinations WHERE name IN ('w1note', 'kept')});
+			SELECT idem_destination_drop(name) FROM idem_destinations WHERE name IN ('w1note', 'kept', 'plant4')});
 	}
 }
 

@@ -11,17 +11,18 @@
  * name; just before the transaction commits, the destination as it now
  * stands on the coordinator -- its whole definition -- is sent to every
  * worker, where idem_destination_sync makes the worker's copy the same; a
- * destination dropped in the transaction goes first, as it was when the
- * transaction began, and the workers drop their copies of it.  A copy is
+ * destination dropped in the transaction goes first, as it was at its
+ * first drop there, and the workers drop their copies of it.  A copy is
  * a destination of the same name, kind and target made by the same role
  * and, for a function destination, calling a function of the same schema,
  * name and owner; any other destination of that name is the worker's own
  * (made there): a worker refuses to change it, and a drop leaves it alone.
  * A worker that fails (down, or refusing the definition) fails the
- * coordinator's commit, with the node and its error.  The workers apply it
- * in transactions of their own, so after such a failure some may have it
- * already; since what is sent is the whole definition, running any command
- * on that destination again makes every node agree.  The workers apply it
+ * coordinator's commit, with the node and its error.  Each worker applies
+ * a transaction's destinations in one transaction of its own, so after
+ * such a failure some may have them already (see dest_sync_send); since
+ * what is sent is the whole definition, running any command on that
+ * destination again makes every node agree.  The workers apply it
  * as the extension's owner: the command's privileges are checked on the
  * coordinator, and each node makes the destination as the role that made
  * it on the coordinator, which a function destination's calls run as.
@@ -124,7 +125,8 @@ dest_sync_note(text *name, bool created, bool resumed)
 
 /*
  * idem_destination_drop is about to drop name on this node: keep the
- * definition that the name had when this transaction began, so that the
+ * definition that the name had at its first drop in this transaction (the
+ * commands before it keep kind, target and roles), so that the
  * workers drop their copies of that destination and no other destination
  * of theirs that has the name (one made there, say).  A name that this
  * transaction created had none: nothing of the workers' is dropped.
@@ -183,7 +185,6 @@ dest_sync_definition(const char *name, bool dropped, int32 *id)
 	if (SPI_processed == 1)
 	{
 		char	   *d = SPI_getvalue(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1);
-
 		bool		isnull;
 
 		definition = MemoryContextStrdup(TopTransactionContext, d);
@@ -463,9 +464,9 @@ dest_sync_read_here(text *name, DestHere *here)
 }
 
 /*
- * Whether the function of a definition is gone on the coordinator: its
- * schema is sent null.  NULL when the definition does not say (a
- * superuser's own call).
+ * The field of a definition that says which function the coordinator's
+ * destination calls: its schema, null if that function was dropped; NULL
+ * when the definition does not say (a superuser's own call).
  */
 static JsonbValue *
 dest_sync_func_field(Jsonb *definition)

@@ -1017,6 +1017,29 @@ sub create_and_drop_as
 		SELECT 'done';});
 }
 
+# On $node only (DDL not propagated), a role $role that may create in
+# schema public makes a function $fn(jsonb) there; and undoing it.
+sub plant_function
+{
+	my ($node, $role, $fn) = @_;
+	on($node, qq{
+		SET citus.enable_ddl_propagation = off;
+		CREATE ROLE $role;
+		GRANT CREATE ON SCHEMA public TO $role;
+		SET ROLE $role;
+		CREATE FUNCTION $fn(event jsonb) RETURNS void LANGUAGE sql AS 'SELECT NULL';});
+}
+
+sub unplant_function
+{
+	my ($node, $role, $fn) = @_;
+	on($node, qq{
+		SET citus.enable_ddl_propagation = off;
+		DROP FUNCTION $fn(jsonb);
+		REVOKE CREATE ON SCHEMA public FROM $role;
+		DROP ROLE $role;});
+}
+
 # ---- 17. What the coordinator sends is the coordinator's destination only.
 # A worker's destination that is not a copy of the coordinator's keeps
 # running as it was made there, whatever the coordinator's role does:
@@ -1074,22 +1097,13 @@ sub create_and_drop_as
 	on($w2, q{
 		SET citus.enable_ddl_propagation = off;
 		CREATE FUNCTION fplant(event jsonb) RETURNS void LANGUAGE sql AS 'SELECT NULL';});
-	on($w1, q{
-		SET citus.enable_ddl_propagation = off;
-		CREATE ROLE planter;
-		GRANT CREATE ON SCHEMA public TO planter;
-		SET ROLE planter;
-		CREATE FUNCTION fplant(event jsonb) RETURNS void LANGUAGE sql AS 'SELECT NULL';});
+	plant_function($w1, 'planter', 'fplant');
 	like(coord_try(q{SELECT idem_destination_create('sudest', 'function', 'fplant(jsonb)', '{su.*}')}),
 		qr/ERROR:  sending outbox destination "sudest" failed on 1 Citus worker.*destination "sudest" on this node calls public\.fplant\(jsonb\), owned by role "planter", not by "postgres" as on the coordinator/s,
 		'17c: a worker refuses a function destination whose function there was made by another role');
 	is( join(' ', map { on($_, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'sudest'}) } $cluster->nodes),
 		'0 0 0', '17c: it has none, nor has the coordinator, nor the other worker, which made it and dropped it again');
-	on($w1, q{
-		SET citus.enable_ddl_propagation = off;
-		DROP FUNCTION fplant(jsonb);
-		REVOKE CREATE ON SCHEMA public FROM planter;
-		DROP ROLE planter;});
+	unplant_function($w1, 'planter', 'fplant');
 	for my $node ($cluster->nodes)
 	{
 		on($node, q{SET citus.enable_ddl_propagation = off;
@@ -1173,23 +1187,14 @@ sub create_and_drop_as
 		CREATE FUNCTION flost(event jsonb) RETURNS void LANGUAGE sql AS 'SELECT NULL';
 		SELECT idem_destination_create('lost', 'function', 'flost(jsonb)', '{lost.*}');
 		DROP FUNCTION flost(jsonb);});
-	on($w2, q{
-		SELECT idem_destination_drop('lost');
-		SET citus.enable_ddl_propagation = off;
-		CREATE ROLE mallory;
-		GRANT CREATE ON SCHEMA public TO mallory;
-		SET ROLE mallory;
-		CREATE FUNCTION flost(event jsonb) RETURNS void LANGUAGE sql AS 'SELECT NULL';});
+	on($w2, q{SELECT idem_destination_drop('lost')});
+	plant_function($w2, 'mallory', 'flost');
 	like(coord_try(q{SELECT idem_destination_pause('lost')}),
 		qr/ERROR:  sending outbox destination "lost" failed on 1 Citus worker.*the function of destination "lost" no longer exists/s,
 		'18e: a worker does not make a function destination whose function was dropped on the coordinator');
 	is( on($w2, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'lost'}),
 		'0', '18e: and calls no function of another role for it');
-	on($w2, q{
-		SET citus.enable_ddl_propagation = off;
-		DROP FUNCTION flost(jsonb);
-		REVOKE CREATE ON SCHEMA public FROM mallory;
-		DROP ROLE mallory;});
+	unplant_function($w2, 'mallory', 'flost');
 	coord(q{SELECT idem_destination_drop('lost')});
 	is( join(' ', map { on($_, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'lost'}) } $cluster->nodes),
 		'0 0 0', '18e: its drop reaches the worker that has a copy');

@@ -29,7 +29,8 @@
  *
  * What a node's relay learns about an endpoint (failures, circuit, pacing,
  * disabling after 410 or disable_after) stays that node's; a resume on the
- * coordinator clears it everywhere.
+ * coordinator clears it everywhere, unless it was rolled back to a
+ * savepoint.
  *
  *-------------------------------------------------------------------------
  */
@@ -65,6 +66,8 @@ typedef struct DestNote
 {
 	char	   *name;
 	bool		resumed;		/* idem_destination_resume ran on it */
+	SubTransactionId resumed_subid; /* in this subtransaction, or a child
+									 * that committed into it */
 	bool		created;		/* first noted by idem_destination_create */
 	char	   *dropped;		/* its definition at the start, if dropped */
 	int32		dropped_id;		/* and the id of that destination */
@@ -74,7 +77,23 @@ static List *dest_notes = NIL;	/* in TopTransactionContext */
 static bool dest_sync_registered = false;
 
 static void dest_sync_xact_callback(XactEvent event, void *arg);
+static void dest_sync_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
+									   SubTransactionId parentSubid, void *arg);
 static char *dest_sync_definition(const char *name, bool dropped, int32 *id);
+
+/*
+ * Mark note resumed, if resumed, in the current subtransaction: a rollback
+ * of the resume (to a savepoint) must not clear what the workers' relays
+ * learned.  The first resume that still stands is the one that counts.
+ */
+static void
+dest_sync_note_resumed(DestNote *note, bool resumed)
+{
+	if (!resumed || note->resumed)
+		return;
+	note->resumed = true;
+	note->resumed_subid = GetCurrentSubTransactionId();
+}
 
 /*
  * The note of name in this transaction, made if there is none (created and
@@ -92,6 +111,7 @@ dest_sync_find_note(text *name, bool created, bool resumed)
 	if (!dest_sync_registered)
 	{
 		RegisterXactCallback(dest_sync_xact_callback, NULL);
+		RegisterSubXactCallback(dest_sync_subxact_callback, NULL);
 		dest_sync_registered = true;
 	}
 	foreach(lc, dest_notes)
@@ -99,7 +119,7 @@ dest_sync_find_note(text *name, bool created, bool resumed)
 		note = lfirst(lc);
 		if (strcmp(note->name, text_to_cstring(name)) == 0)
 		{
-			note->resumed |= resumed;
+			dest_sync_note_resumed(note, resumed);
 			return note;
 		}
 	}
@@ -107,7 +127,7 @@ dest_sync_find_note(text *name, bool created, bool resumed)
 	note = palloc0(sizeof(DestNote));
 	note->name = text_to_cstring(name);
 	note->created = created;
-	note->resumed = resumed;
+	dest_sync_note_resumed(note, resumed);
 	dest_notes = lappend(dest_notes, note);
 	MemoryContextSwitchTo(old);
 	return note;
@@ -343,6 +363,31 @@ dest_sync_xact_callback(XactEvent event, void *arg)
 			break;
 		default:
 			break;
+	}
+}
+
+/*
+ * A resume noted in a subtransaction belongs to its parent when the
+ * subtransaction commits, and is undone when it aborts.
+ */
+static void
+dest_sync_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
+						   SubTransactionId parentSubid, void *arg)
+{
+	ListCell   *lc;
+
+	if (event != SUBXACT_EVENT_COMMIT_SUB && event != SUBXACT_EVENT_ABORT_SUB)
+		return;
+	foreach(lc, dest_notes)
+	{
+		DestNote   *note = lfirst(lc);
+
+		if (!note->resumed || note->resumed_subid != mySubid)
+			continue;
+		if (event == SUBXACT_EVENT_COMMIT_SUB)
+			note->resumed_subid = parentSubid;
+		else
+			note->resumed = false;
 	}
 }
 

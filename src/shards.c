@@ -367,13 +367,48 @@ shard_index_of(ShardMap *map, int32 hash)
 	return -1;					/* keep the compiler quiet */
 }
 
-/* The value of the distribution column for rows of value (a scope or source). */
+/*
+ * The value of the distribution column for rows of value (a scope or
+ * source) of table relid: the value itself, or read as the
+ * tenant column's type typid.  A value that the type refuses ('acme' for a
+ * bigint) is a wrong scope, reported as such with 22023 like another
+ * spelling of a tenant, not as the 22P02 of text the application sent.
+ */
 static Datum
-shard_dist_datum(Oid typinput, Oid typioparam, int32 typmod, bool is_key, text *value)
+shard_dist_datum(Oid typid, Oid typinput, Oid typioparam, int32 typmod, bool is_key,
+				 text *value, Oid relid)
 {
+	MemoryContext oldcontext = CurrentMemoryContext;
+	char	   *str;
+	volatile Datum d = (Datum) 0;
+
 	if (is_key)
 		return PointerGetDatum(value);
-	return OidInputFunctionCall(typinput, text_to_cstring(value), typioparam, typmod);
+	str = text_to_cstring(value);
+	PG_TRY();
+	{
+		d = OidInputFunctionCall(typinput, str, typioparam, typmod);
+	}
+	PG_CATCH();
+	{
+		ErrorData  *edata;
+
+		MemoryContextSwitchTo(oldcontext);
+		edata = CopyErrorData();
+		if (ERRCODE_TO_CATEGORY(edata->sqlerrcode) != ERRCODE_DATA_EXCEPTION)
+			PG_RE_THROW();
+		FlushErrorState();
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("scope \"%s\" is not a tenant of type %s",
+						str, format_type_be(typid)),
+				 errdetail("Citus distributes idempotency.%s by a tenant of type %s: %s.",
+						   get_rel_name(relid), format_type_be(typid), edata->message),
+				 errhint("Pass the tenant's value as the scope, or call the functions of schema idem_citus with a %s.",
+						 format_type_be(typid))));
+	}
+	PG_END_TRY();
+	return d;
 }
 
 /* Look up the local shard's relation and primary key by Citus's names for them. */
@@ -443,8 +478,8 @@ shard_resolve(Oid relid, Oid pkey, text *value, ShardTarget *target)
 
 	for (;;)
 	{
-		Datum		d = shard_dist_datum(map->typinput, map->typioparam, map->typmod,
-										 map->dist_is_key, value);
+		Datum		d = shard_dist_datum(map->typid, map->typinput, map->typioparam, map->typmod,
+										 map->dist_is_key, value, map->relid);
 		int32		hash = DatumGetInt32(FunctionCall1Coll(&map->hash, map->dist_collation, d));
 		int			now_idx;
 
@@ -533,7 +568,7 @@ shard_local_relids(Oid relid)
  * The tenant column's value (the column after the natts the library knows)
  * for rows of value in rel: value read as the column's type, as Citus reads
  * the first argument of a function it delegates.  A value that is not one
- * (a scope 'abc' for a bigint tenant) fails with that type's error.
+ * (a scope 'abc' for a bigint tenant) fails with 22023.
  */
 Datum
 shard_tenant_value(Relation rel, int natts, text *value)
@@ -543,7 +578,8 @@ shard_tenant_value(Relation rel, int natts, text *value)
 	Oid			typioparam;
 
 	getTypeInputInfo(att->atttypid, &typinput, &typioparam);
-	return shard_dist_datum(typinput, typioparam, att->atttypmod, false, value);
+	return shard_dist_datum(att->atttypid, typinput, typioparam, att->atttypmod, false, value,
+							RelationGetRelid(rel));
 }
 
 /*

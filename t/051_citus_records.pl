@@ -41,8 +41,8 @@
 #     all, through a coordinator crash after the worker committed;
 # 12. so does a write to a plain table of the coordinator in such a
 #     transaction, with idempotency.citus_atomic_local_writes;
-# 13. a scope that is another spelling of a tenant ('042' for 42) is refused
-#     with 22023, and nothing is written;
+# 13. a scope that is another spelling of a tenant ('042' for 42), or no
+#     tenant at all ('acme'), is refused with 22023, and nothing is written;
 # 14. citext and char(n) tenants are refused; records and inbox marks that
 #     idem_citus_distribute moves into the shards get their tenant's
 #     canonical text;
@@ -60,7 +60,8 @@
 #     made;
 # 18. copies are told apart by the role that made them, drops by what the
 #     destination was when the coordinator's transaction began, functions
-#     by their own name (renamed) or absence (dropped).
+#     by their own name (renamed) or absence (dropped); a resume rolled
+#     back to a savepoint does not clear what a worker's relay learned.
 #
 # Skipped when Citus is not installed.
 use strict;
@@ -836,6 +837,17 @@ sub crash_coordinator
 		like($err, qr/ERROR:  22023: scope "\Q$spelling\E" is not the canonical text of its tenant/,
 			"13: scope '$spelling' of tenant $A is refused with 22023");
 	}
+	# A scope that is no tenant at all is refused as a scope, not as text
+	# the application sent (22P02 or 22003 of the tenant type's input).
+	for my $scope ('acme', '99999999999999999999')
+	{
+		my ($out, $err) = ('', '');
+		$holder->psql($cluster->dbname, qq{\\set VERBOSITY verbose
+			SELECT outcome FROM idem_claim('$scope', 'POST /orders:sp1', '{}');},
+			stdout => \$out, stderr => \$err);
+		like($err, qr/ERROR:  22023: scope "$scope" is not a tenant of type bigint\n.*DETAIL:  Citus distributes idempotency.records by a tenant of type bigint: .*\n.*HINT:  /,
+			"13: scope '$scope', which is no bigint, is refused with 22023");
+	}
 	like( on($holder, qq{BEGIN; SELECT outcome FROM idem_claim('$A', 'POST /orders:sp1', '{}');
 			SELECT idem_succeed('$A', 'POST /orders:sp1', 201, '{}'); COMMIT;}),
 		qr/^claimed$/m, '13: the tenant written canonically is claimed');
@@ -1241,10 +1253,47 @@ sub unplant_function
 		if coord(q{SELECT count(*) FROM pg_prepared_xacts WHERE gid = 'dest'}) eq '1';
 	coord(q{SET citus.enable_ddl_propagation = off; DROP FUNCTION fcoordonly(jsonb);});
 
+	# h.  What a worker's relay learned of an endpoint (here set by hand:
+	# an open circuit after 12 failures) is cleared by a resume on the
+	# coordinator, and only by one that commits.
+	coord(q{SELECT idem_destination_create('learned', 'notify', 'learned_channel', '{learned.*}')});
+	my $learn = q{UPDATE idempotency.destinations
+		SET circuit = 'open', consecutive_failures = 12, failing_since = now() WHERE name = 'learned'};
+	my $learned = q{SELECT circuit || ' ' || consecutive_failures || ' ' || paused
+		FROM idempotency.destinations WHERE name = 'learned'};
+	on($w1, $learn);
+	coord(q{BEGIN;
+		SAVEPOINT s;
+		SELECT idem_destination_resume('learned');
+		ROLLBACK TO SAVEPOINT s;
+		SELECT idem_destination_pause('learned');
+		COMMIT;});
+	is(on($w1, $learned), 'open 12 true',
+		'18h: a resume rolled back to a savepoint leaves the circuit a worker learned, and the pause reaches it');
+	coord(q{BEGIN;
+		SAVEPOINT s;
+		SELECT idem_destination_resume('learned');
+		RELEASE SAVEPOINT s;
+		SAVEPOINT t;
+		SELECT idem_destination_pause('learned');
+		ROLLBACK TO SAVEPOINT t;
+		COMMIT;});
+	is(on($w1, $learned), 'closed 0 false',
+		'18h: a resume in a released savepoint clears it, whatever a later savepoint rolled back');
+	on($w1, $learn);
+	coord(q{BEGIN;
+		SELECT idem_destination_resume('learned');
+		SAVEPOINT s;
+		SELECT idem_destination_resume('learned');
+		ROLLBACK TO SAVEPOINT s;
+		COMMIT;});
+	is(on($w1, $learned), 'closed 0 false',
+		'18h: a resume before a savepoint stays when a second one is rolled back');
+
 	for my $node ($cluster->nodes)
 	{
 		on($node, q{SET citus.enable_ddl_propagation = off;
-			SELECT idem_destination_drop(name) FROM idem_destinations WHERE name IN ('w1note', 'kept', 'plant4')});
+			SELECT idem_destination_drop(name) FROM idem_destinations WHERE name IN ('w1note', 'kept', 'plant4', 'learned')});
 	}
 }
 

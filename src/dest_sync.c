@@ -17,13 +17,13 @@
  * and, for a function destination, calling a function of the same schema,
  * name and owner; any other destination of that name is the worker's own
  * (made there): a worker refuses to change it, and a drop leaves it alone.
- * A worker that fails (down, or refusing the definition) fails the
- * coordinator's commit, with the node and its error.  Each worker applies
- * a transaction's destinations in one transaction of its own, so after
- * such a failure some may have them already (see dest_sync_send); since
- * what is sent is the whole definition, running any command on that
- * destination again makes every node agree.  The workers apply it
- * as the extension's owner: the command's privileges are checked on the
+ * They are sent inside Citus's distributed transaction, and the workers
+ * commit them with two-phase commit as the coordinator commits: every node
+ * has a transaction's destination changes or none has, also through a
+ * crash of the coordinator, and a worker that fails (down, or refusing the
+ * definition) fails the coordinator's commit, with its error.  The
+ * definitions travel as parameters of the statement, not in its text.  The
+ * workers apply it as the extension's owner: the command's privileges are checked on the
  * coordinator, and each node makes the destination as the role that made
  * it on the coordinator, which a function destination's calls run as.
  *
@@ -217,29 +217,66 @@ dest_sync_definition(const char *name, bool dropped, int32 *id)
 
 /*
  * Append to calls one call of idem_destination_sync, for name and
- * definition.  The calls are the arguments of one concat(), which
- * run_command_on_workers takes for its single column and which calls them
- * in order.
+ * definition, which go as the next two parameters of the statement (values,
+ * nvalues so far).  The calls are the arguments of one concat(), which
+ * calls them in order.
  */
 static void
-dest_sync_append_call(StringInfo calls, const char *schema, const char *name,
-					  const char *definition, bool resumed)
+dest_sync_append_call(StringInfo calls, const char **values, int *nvalues,
+					  const char *schema, const char *name, const char *definition,
+					  bool resumed)
 {
-	appendStringInfo(calls, "%s%s.idem_destination_sync(%s, %s::jsonb, %s)",
+	appendStringInfo(calls, "%s%s.idem_destination_sync($%d, $%d::pg_catalog.jsonb, %s)",
 					 calls->len > 0 ? ", " : "SELECT pg_catalog.concat(",
-					 quote_identifier(schema), quote_literal_cstr(name),
-					 quote_literal_cstr(definition), resumed ? "true" : "false");
+					 quote_identifier(schema), *nvalues + 1, *nvalues + 2,
+					 resumed ? "true" : "false");
+	values[(*nvalues)++] = name;
+	values[(*nvalues)++] = definition;
+}
+
+/*
+ * Run the statement calls, with its nvalues parameters, on the workers as
+ * the role the caller became (owner); a worker's error is reported with the
+ * names of the nnames destinations sent, after going back to the caller's
+ * role.
+ */
+static void
+dest_sync_run(const char *calls, int nvalues, const char **values,
+			  const char *names, int nnames, OutboxOwnerState *owner)
+{
+	MemoryContext oldcontext = CurrentMemoryContext;
+
+	PG_TRY();
+	{
+		shard_run_on_workers(calls, nvalues, values,
+							 GetUserNameFromId(GetUserId(), false));
+	}
+	PG_CATCH();
+	{
+		ErrorData  *edata;
+
+		MemoryContextSwitchTo(oldcontext);
+		edata = CopyErrorData();
+		FlushErrorState();
+		outbox_restore_user(owner);
+		ereport(ERROR,
+				(errcode(edata->sqlerrcode),
+				 nnames == 1 ?
+				 errmsg("sending outbox destination %s to the Citus workers failed", names) :
+				 errmsg("sending outbox destinations %s to the Citus workers failed", names),
+				 errdetail("A worker answered: %s.", edata->message),
+				 edata->context ? errcontext("%s", edata->context) : 0,
+				 errhint("Nothing changed on any node.  Once the failing worker is up, or has dropped a destination of its own that has such a name, run the same commands again.")));
+	}
+	PG_END_TRY();
 }
 
 /*
  * Send the noted destinations to every worker, as the extension's owner,
- * before this coordinator commits.  All of them go in one statement, so
- * that each worker applies all or none: a transaction that created several
- * destinations and fails on the workers for one of them leaves none of
- * them on a worker.  When it fails on some workers only, those where it
- * succeeded drop again the destinations the transaction created (their
- * other changes stay, and running the command again makes every node
- * agree).
+ * before this coordinator commits, inside its distributed transaction
+ * (shard_run_on_workers): every worker commits them when this node
+ * commits, or none does.  The definitions, secrets included, travel as
+ * parameters of the statement.
  */
 static void
 dest_sync_send(void)
@@ -249,11 +286,10 @@ dest_sync_send(void)
 	char	   *schema;
 	OutboxOwnerState owner;
 	StringInfoData calls;
-	StringInfoData undo;
 	StringInfoData names;
-	StringInfoData failures;
+	const char **values;
+	int			nvalues = 0;
 	int			nnames = 0;
-	int			nfailed;
 
 	dest_notes = NIL;
 	if (notes == NIL || !shard_citus_coordinator())
@@ -262,18 +298,17 @@ dest_sync_send(void)
 
 	/*
 	 * The command's privileges were checked here; the workers apply its
-	 * result as the extension's owner, over the connections Citus opens for
-	 * that role, so that an operator granted only the command needs no
-	 * grant of idem_destination_sync on the workers (which would let it
-	 * make any destination there).  The workers make the destination as the
-	 * role that made it here, which a function destination's calls run as.
-	 * A destination dropped, and maybe made again, in this transaction is
+	 * result as the extension's owner, over connections of that role, so
+	 * that an operator granted only the command needs no grant of
+	 * idem_destination_sync on the workers (which would let it make any
+	 * destination there).  The workers make the destination as the role
+	 * that made it here, which a function destination's calls run as.  A
+	 * destination dropped, and maybe made again, in this transaction is
 	 * dropped on the workers first.
 	 */
 	initStringInfo(&calls);
-	initStringInfo(&undo);
 	initStringInfo(&names);
-	initStringInfo(&failures);
+	values = palloc(sizeof(char *) * 4 * list_length(notes));
 	outbox_become_owner(&owner);
 	foreach(lc, notes)
 	{
@@ -285,12 +320,11 @@ dest_sync_send(void)
 		/* Not if the drop was rolled back (to a savepoint): the same one. */
 		send_drop = note->dropped != NULL && (definition == NULL || id != note->dropped_id);
 		if (send_drop)
-			dest_sync_append_call(&calls, schema, note->name, note->dropped, false);
+			dest_sync_append_call(&calls, values, &nvalues, schema, note->name,
+								  note->dropped, false);
 		if (definition != NULL)
-			dest_sync_append_call(&calls, schema, note->name, definition, note->resumed);
-		if (note->created && definition != NULL)
-			dest_sync_append_call(&undo, schema, note->name,
-								  dest_sync_definition(note->name, true, &id), false);
+			dest_sync_append_call(&calls, values, &nvalues, schema, note->name,
+								  definition, note->resumed);
 		if (send_drop || definition != NULL)
 		{
 			appendStringInfo(&names, "%s\"%s\"", nnames > 0 ? ", " : "", note->name);
@@ -303,28 +337,8 @@ dest_sync_send(void)
 		return;
 	}
 	appendStringInfoChar(&calls, ')');
-	nfailed = shard_run_on_workers(calls.data, &failures);
-	if (nfailed > 0 && undo.len > 0)
-	{
-		StringInfoData ignored;
-
-		appendStringInfoChar(&undo, ')');
-		initStringInfo(&ignored);
-		(void) shard_run_on_workers(undo.data, &ignored);
-	}
+	dest_sync_run(calls.data, nvalues, values, names.data, nnames, &owner);
 	outbox_restore_user(&owner);
-	if (nfailed > 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 nnames == 1 ?
-				 errmsg_plural("sending outbox destination %s failed on %d Citus worker",
-							   "sending outbox destination %s failed on %d Citus workers",
-							   nfailed, names.data, nfailed) :
-				 errmsg_plural("sending outbox destinations %s failed on %d Citus worker",
-							   "sending outbox destinations %s failed on %d Citus workers",
-							   nfailed, names.data, nfailed),
-				 errdetail("%s", failures.data),
-				 errhint("Nothing changed on this node, nor on the workers but for changes to destinations that already existed.  Once the failing workers are up, or have dropped a destination of their own that has such a name, running the same commands again brings every node to this node's state.")));
 }
 
 /* Before commit (or prepare): the workers get the destinations changed here. */
@@ -336,8 +350,10 @@ dest_sync_xact_callback(XactEvent event, void *arg)
 		case XACT_EVENT_PRE_PREPARE:
 
 			/*
-			 * The workers apply the changes in transactions of their own:
-			 * they cannot wait for COMMIT PREPARED or ROLLBACK PREPARED.
+			 * The workers get the changes in Citus's distributed
+			 * transaction, which Citus commits or aborts with this node's
+			 * COMMIT or ROLLBACK: a prepared transaction of this node would
+			 * leave them unsent.
 			 */
 			if (dest_notes == NIL)
 				break;

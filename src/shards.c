@@ -611,37 +611,71 @@ shard_citus_coordinator(void)
 }
 
 /*
- * Run command on every worker of the Citus cluster (run_command_on_workers:
- * a connection of the current role to each, in a transaction of its own).
- * Returns on how many it failed, and appends to failures, for each of them,
- * the node and its error.
+ * Citus's function that sends a command with parameters to every other
+ * active node of the cluster that has its metadata (every worker, from the
+ * coordinator), as a given role, inside the coordinated transaction
+ * (worker_transaction.c), as Citus 13 declares it.
  */
-int
-shard_run_on_workers(const char *command, StringInfo failures)
-{
-	Oid			argtypes[1] = {TEXTOID};
-	Datum		values[1] = {CStringGetTextDatum(command)};
-	int			nfailed = 0;
+typedef void (*CitusSendParams) (const char *command, const char *user,
+								 int parameterCount, const Oid *parameterTypes,
+								 const char *const *parameterValues);
 
+/*
+ * Citus's SendCommandToRemoteMetadataNodesParams, which citus.so exports,
+ * for the Citus versions whose declaration of it we know (13.x), or an
+ * error.
+ */
+static CitusSendParams
+shard_citus_send_function(void)
+{
+	static CitusSendParams send = NULL;
+	char	   *version;
+
+	if (send != NULL)
+		return send;
 	if (SPI_connect() != SPI_OK_CONNECT)
 		elog(ERROR, "SPI_connect failed");
-	if (SPI_execute_with_args("SELECT w.nodename, w.nodeport, w.result"
-							  "  FROM pg_catalog.run_command_on_workers($1) w WHERE NOT w.success",
-							  1, argtypes, values, NULL, false, 0) != SPI_OK_SELECT)
-		elog(ERROR, "could not run a command on the Citus workers");
-	for (uint64 i = 0; i < SPI_processed; i++)
-	{
-		HeapTuple	tup = SPI_tuptable->vals[i];
-		TupleDesc	desc = SPI_tuptable->tupdesc;
-
-		/* failures is the caller's, outside SPI's memory. */
-		appendStringInfo(failures, "%s%s:%s: %s", nfailed > 0 ? "; " : "",
-						 SPI_getvalue(tup, desc, 1), SPI_getvalue(tup, desc, 2),
-						 SPI_getvalue(tup, desc, 3));
-		nfailed++;
-	}
+	if (SPI_execute("SELECT extversion FROM pg_catalog.pg_extension"
+					" WHERE extname OPERATOR(pg_catalog.=) 'citus'", true, 1) != SPI_OK_SELECT)
+		elog(ERROR, "could not read the version of extension citus");
+	version = SPI_processed == 1 ?
+		pstrdup(SPI_getvalue(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1)) : pstrdup("none");
 	SPI_finish();
-	return nfailed;
+	if (strncmp(version, "13.", 3) != 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("outbox destinations cannot be sent to the workers of Citus %s", version),
+				 errdetail("The extension sends them inside Citus's distributed transaction through a function of Citus 13.")));
+	send = (CitusSendParams) dlsym(RTLD_DEFAULT, "SendCommandToRemoteMetadataNodesParams");
+	if (send == NULL)
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("outbox destinations cannot be sent to the workers of Citus %s", version),
+				 errdetail("citus.so does not export SendCommandToRemoteMetadataNodesParams.")));
+	return send;
+}
+
+/*
+ * Run command, whose nparams parameters ($1, $2, ...) are the texts values,
+ * on every other active node of the Citus cluster as role user, inside this
+ * transaction: Citus commits it there with two-phase commit when this
+ * transaction commits, and never when it aborts (its recovery resolves the
+ * prepared transactions of a crash), so every node applies it or none
+ * does.  The values travel as parameters: the workers'
+ * logs and pg_stat_activity show only the command.  A worker that is down,
+ * or that fails the command, fails it here with the worker's error.
+ */
+void
+shard_run_on_workers(const char *command, int nparams, const char *const *values,
+					 const char *user)
+{
+	CitusSendParams send = shard_citus_send_function();
+	Oid		   *types = palloc(sizeof(Oid) * Max(nparams, 1));
+
+	for (int i = 0; i < nparams; i++)
+		types[i] = TEXTOID;
+	send(command, user, nparams, types, values);
+	pfree(types);
 }
 
 /*

@@ -61,7 +61,11 @@
 # 18. copies are told apart by the role that made them, drops by what the
 #     destination was when the coordinator's transaction began, functions
 #     by their own name (renamed) or absence (dropped); a resume rolled
-#     back to a savepoint does not clear what a worker's relay learned.
+#     back to a savepoint does not clear what a worker's relay learned; the
+#     workers commit a transaction's destinations with the coordinator
+#     (two-phase commit): a drop with a worker down drops nothing on the
+#     others, a coordinator crash after the pre-commit step leaves nothing;
+#     secrets are no part of the statements' text on the workers.
 #
 # Skipped when Citus is not installed.
 use strict;
@@ -975,7 +979,7 @@ sub crash_coordinator
 		SET ROLE ops;
 		SELECT idem_destination_create('w1own', 'function', 'fdest(jsonb)', '{w1.*}');});
 	like(coord_try(q{SELECT idem_destination_create('w1own', 'function', 'fdest(jsonb)', '{w1.*}')}),
-		qr/ERROR:  sending outbox destination "w1own" failed on 1 Citus worker.*destination "w1own" on this node belongs to role "ops", not to "postgres"/s,
+		qr/ERROR:  sending outbox destination "w1own" to the Citus workers failed.*destination "w1own" on this node belongs to role "ops", not to "postgres"/s,
 		'16: a worker\'s function destination that runs as another role is not taken over');
 	is( on($w1, q{SELECT run_as::regrole || ' ' || array_to_string(topics, ',') FROM idempotency.destinations WHERE name = 'w1own'}),
 		'ops w1.*', '16: and it still runs as its creator');
@@ -987,7 +991,7 @@ sub crash_coordinator
 		ALTER FUNCTION fsink(jsonb) RENAME TO fsink_renamed;});
 	coord(q{CREATE FUNCTION fsink(event jsonb) RETURNS void LANGUAGE sql AS 'SELECT NULL'});
 	like(coord_try(q{SELECT idem_destination_create('w1fn', 'function', 'fsink(jsonb)', '{w1.*}')}),
-		qr/ERROR:  sending outbox destination "w1fn" failed on 1 Citus worker.*destination "w1fn" on this node calls public\.fsink_renamed\(jsonb\), not public\.fsink\(jsonb\)/s,
+		qr/ERROR:  sending outbox destination "w1fn" to the Citus workers failed.*destination "w1fn" on this node calls public\.fsink_renamed\(jsonb\), not public\.fsink\(jsonb\)/s,
 		'16: a worker\'s function destination that calls another function than its target names is not taken over');
 	is( on($w1, q{SELECT func::regproc FROM idempotency.destinations WHERE name = 'w1fn'}),
 		'fsink_renamed', '16: and it still calls that function');
@@ -1080,16 +1084,18 @@ sub unplant_function
 		SELECT idem_destination_create('orphan', 'function', 'fdest(jsonb)', '{w1ops.*}');});
 	coord(q{DROP ROLE gone2});
 	like(coord_try(q{SELECT idem_destination_alter('orphan', '{"max_attempts": 3}')}),
-		qr/ERROR:  sending outbox destination "orphan" failed on 1 Citus worker.*destination "orphan" on this node belongs to role "ops", but the role that created it on the coordinator no longer exists/s,
+		qr/ERROR:  sending outbox destination "orphan" to the Citus workers failed.*destination "orphan" on this node belongs to role "ops", but the role that created it on the coordinator no longer exists/s,
 		'17a: a worker\'s function destination of a role that exists is not taken over after the coordinator\'s creator was dropped');
 	is( on($w1, q{SELECT run_as::regrole || ' ' || array_to_string(topics, ',') || ' ' || max_attempts FROM idempotency.destinations WHERE name = 'orphan'}),
 		'ops w1ops.* 10', '17a: it keeps its topics and options');
-	on($w2, q{SELECT idem_destination_drop('orphan')});
+	# A failure is reported for the first worker that fails: neither has
+	# one now.
+	on($_, q{SELECT idem_destination_drop('orphan')}) for ($w1, $w2);
 	like(coord_try(q{SELECT idem_destination_pause('orphan')}),
-		qr/ERROR:  sending outbox destination "orphan" failed on 2 Citus workers.*the role that created destination "orphan" no longer exists/s,
+		qr/ERROR:  sending outbox destination "orphan" to the Citus workers failed.*the role that created destination "orphan" no longer exists/s,
 		'17a: a worker that has no copy refuses to make one whose creator was dropped');
-	is( on($w2, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'orphan'}),
-		'0', '17a: and makes none');
+	is( join(' ', map { on($_, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'orphan'}) } ($w1, $w2)),
+		'0 0', '17a: and makes none');
 
 	# b.
 	coord(q{
@@ -1111,7 +1117,7 @@ sub unplant_function
 		CREATE FUNCTION fplant(event jsonb) RETURNS void LANGUAGE sql AS 'SELECT NULL';});
 	plant_function($w1, 'planter', 'fplant');
 	like(coord_try(q{SELECT idem_destination_create('sudest', 'function', 'fplant(jsonb)', '{su.*}')}),
-		qr/ERROR:  sending outbox destination "sudest" failed on 1 Citus worker.*destination "sudest" on this node calls public\.fplant\(jsonb\), owned by role "planter", not by "postgres" as on the coordinator/s,
+		qr/ERROR:  sending outbox destination "sudest" to the Citus workers failed.*destination "sudest" on this node calls public\.fplant\(jsonb\), owned by role "planter", not by "postgres" as on the coordinator/s,
 		'17c: a worker refuses a function destination whose function there was made by another role');
 	is( join(' ', map { on($_, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'sudest'}) } $cluster->nodes),
 		'0 0 0', '17c: it has none, nor has the coordinator, nor the other worker, which made it and dropped it again');
@@ -1152,7 +1158,7 @@ sub unplant_function
 	is( on($w1, q{SELECT run_as::regrole || ' ' || array_to_string(topics, ',') FROM idempotency.destinations WHERE name = 'w1note'}),
 		'postgres w1note.*', '18a: the worker\'s own notify destination of that name and target is still there');
 	like(coord_try(q{SET ROLE dropper; SELECT idem_destination_create('w1note', 'notify', 'w1chan', '{x.*}')}),
-		qr/ERROR:  sending outbox destination "w1note" failed on 1 Citus worker.*destination "w1note" on this node belongs to role "postgres", not to "dropper"/s,
+		qr/ERROR:  sending outbox destination "w1note" to the Citus workers failed.*destination "w1note" on this node belongs to role "postgres", not to "dropper"/s,
 		'18a: nor does its create take it over');
 	is( on($w1, q{SELECT array_to_string(topics, ',') FROM idempotency.destinations WHERE name = 'w1note'}),
 		'w1note.*', '18a: its topics are its own');
@@ -1202,7 +1208,7 @@ sub unplant_function
 	on($w2, q{SELECT idem_destination_drop('lost')});
 	plant_function($w2, 'mallory', 'flost');
 	like(coord_try(q{SELECT idem_destination_pause('lost')}),
-		qr/ERROR:  sending outbox destination "lost" failed on 1 Citus worker.*the function of destination "lost" no longer exists/s,
+		qr/ERROR:  sending outbox destination "lost" to the Citus workers failed.*the function of destination "lost" no longer exists/s,
 		'18e: a worker does not make a function destination whose function was dropped on the coordinator');
 	is( on($w2, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'lost'}),
 		'0', '18e: and calls no function of another role for it');
@@ -1233,14 +1239,14 @@ sub unplant_function
 			SELECT idem_destination_create('plant1', 'notify', 'plant_channel', '{orders.*}');
 			SELECT idem_destination_create('plant2', 'function', 'fcoordonly(jsonb)', '{orders.*}');
 			COMMIT;}),
-		qr/ERROR:  sending outbox destinations "plant1", "plant2" failed on 2 Citus workers/,
+		qr/ERROR:  sending outbox destinations "plant1", "plant2" to the Citus workers failed/,
 		'18g: a transaction creating two destinations, the second refused by every worker, fails');
 	on($w1, q{SELECT idem_destination_create('plant4', 'notify', 'w1_plant4', '{w1.*}')});
 	like(coord_try(q{SET ROLE dropper; BEGIN;
 			SELECT idem_destination_create('plant3', 'notify', 'plant_channel', '{orders.*}');
 			SELECT idem_destination_create('plant4', 'notify', 'plant_channel', '{orders.*}');
 			COMMIT;}),
-		qr/ERROR:  sending outbox destinations "plant3", "plant4" failed on 1 Citus worker/,
+		qr/ERROR:  sending outbox destinations "plant3", "plant4" to the Citus workers failed/,
 		'18g: so does one refused by one worker only');
 	is( join(' ', map { on($_, q{SELECT string_agg(name || ':' || run_as::regrole, ',' ORDER BY name) FROM idempotency.destinations WHERE name LIKE 'plant%'}) } $cluster->nodes),
 		' plant4:postgres ', '18g: no node has the destinations of either, but the worker\'s own');
@@ -1290,10 +1296,67 @@ sub unplant_function
 	is(on($w1, $learned), 'closed 0 false',
 		'18h: a resume before a savepoint stays when a second one is rolled back');
 
+	# i.  A drop that a worker cannot apply (it is down) drops nothing on
+	# the others: not the copy, not its deliveries.
+	coord(q{SELECT idem_destination_create('whole', 'notify', 'whole_channel', '{whole.*}')});
+	my $whole = q{SELECT id FROM idempotency.destinations WHERE name = 'whole'};
+	my $whole_id = on($w1, $whole);
+	$w2->stop;
+	like(coord_try(q{SELECT idem_destination_drop('whole')}),
+		qr/ERROR:  sending outbox destination "whole" to the Citus workers failed/,
+		'18i: a drop fails while a worker is down');
+	$w2->start;
+	is(join(' ', on($w1, $whole), on($w2, $whole) ne '' ? 'kept' : 'gone', coord($whole) ne '' ? 'kept' : 'gone'),
+		"$whole_id kept kept", '18i: and every node still has the destination, the other worker its own copy');
+	coord(q{SELECT idem_destination_drop('whole')});
+
+	# j.  The workers commit a transaction's destinations with the
+	# coordinator (two-phase commit): frozen after the pre-commit step (its
+	# COMMIT waits for the NOTIFY queue, see notify_gate), the workers have
+	# prepared, not committed; the coordinator killed there, Citus's
+	# recovery rolls them back, and no node has the destination.
+	my $gate = notify_gate('18j');
+	my $app = $coord->background_psql($cluster->dbname, on_error_stop => 0);
+	$app->query_safe('BEGIN');
+	$app->query_safe(q{SELECT idem_destination_create('crashed', 'notify', 'crashed_channel', '{crashed.*}')});
+	$app->query_safe(q{SELECT pg_notify('app', 'crashed')});
+	start_query($app, 'COMMIT');
+	ok( $coord->poll_query_until($cluster->dbname, q{
+			SELECT count(*) = 1 FROM pg_stat_activity
+			 WHERE query = 'COMMIT;' AND wait_event_type = 'Lock' AND wait_event = 'object'}),
+		'18j: the COMMIT of a destination create waits for the NOTIFY queue, on the coordinator');
+	is( join(' ', map { on($_, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'crashed'}) . '/'
+				  . on($_, q{SELECT count(*) FROM pg_prepared_xacts}) } @workers),
+		'0/1 0/1', '18j: by then each worker has prepared the destination, not committed it');
+	crash_coordinator($gate, $app);
+	coord('SELECT recover_prepared_transactions()');
+	is( join(' ', map { on($_, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'crashed'}) . '/'
+				  . on($_, q{SELECT count(*) FROM pg_prepared_xacts}) } $cluster->nodes),
+		'0/0 0/0 0/0', '18j: after the coordinator\'s crash and recovery, no node has it');
+
+	# k.  The definition, secrets included, is no part of the statement's
+	# text: a worker that refuses it logs the statement with its error,
+	# and no secret.
+	on($w1, q{SELECT idem_destination_create('secretive', 'notify', 'w1_secretive', '{w1.*}')});
+	# Not every statement logged with its parameters, as the tests' clusters
+	# do: PostgreSQL's default, which logs only statements that fail.
+	on($w1, q{ALTER SYSTEM SET log_statement = 'none'; SELECT pg_reload_conf();});
+	ok(poll_true($w1, q{SELECT current_setting('log_statement') = 'none'}), '18k: the worker logs failed statements only');
+	my $log_offset = -s $w1->logfile;
+	like(coord_try(q{SELECT idem_destination_create('secretive', 'http', 'https://partner.example/webhooks',
+			topics => '{order.*}', options => '{"secret": "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"}')}),
+		qr/ERROR:  sending outbox destination "secretive" to the Citus workers failed/,
+		'18k: a worker refuses an http destination whose name it uses for its own');
+	my $w1_log = substr(slurp_file($w1->logfile), $log_offset);
+	like($w1_log, qr/STATEMENT:  SELECT pg_catalog\.concat\(.*idem_destination_sync\(\$1, \$2/,
+		'18k: the worker logged the statement');
+	unlike($w1_log, qr/MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw/, '18k: and not the secret');
+	on($w1, q{ALTER SYSTEM RESET log_statement; SELECT pg_reload_conf();});
+
 	for my $node ($cluster->nodes)
 	{
 		on($node, q{SET citus.enable_ddl_propagation = off;
-			SELECT idem_destination_drop(name) FROM idem_destinations WHERE name IN ('w1note', 'kept', 'plant4', 'learned')});
+			SELECT idem_destination_drop(name) FROM idem_destinations WHERE name IN ('w1note', 'kept', 'plant4', 'learned', 'secretive')});
 	}
 }
 

@@ -27,6 +27,13 @@
 #           FLOOR  replay_order_floor(): a primary-key SELECT of the same
 #                  stored response from floor_records, a distributed table
 #                  with the columns, primary key and rows of the records.
+#   BENCH_DECOMPOSE=1 adds, for information (no target), two steps between
+#   the floor and create, each against the floor: create_order_glue() is
+#   the floor plus what create_order() does besides the extension's calls
+#   (the request jsonb built and tested, one more PERFORM of a builtin), and
+#   create_order_claim() claims and releases the key around the INSERT,
+#   writing no record: what the function's own statements cost, then the
+#   claim, then (create itself) the stored response.
 #   BENCH_RECORD_FLOOR=1 adds, for information (no target), create against
 #   a floor that also writes the record: create_order_floor_record() does
 #   the INSERT INTO orders and a plain INSERT of a completed record into
@@ -81,6 +88,7 @@ else
 	REPLAY_KEYS=${BENCH_REPLAY_KEYS:-10000}
 fi
 RECORD_FLOOR=${BENCH_RECORD_FLOOR:-0}
+DECOMPOSE=${BENCH_DECOMPOSE:-0}
 PROTOCOL=${BENCH_PROTOCOL:-simple}   # pgbench -M: simple (as bench/run.sh), extended or prepared
 TENANTS=${BENCH_TENANTS:-1000}
 SHARDS=${BENCH_SHARDS:-32}
@@ -286,6 +294,47 @@ BEGIN
 END $$;
 SELECT create_distributed_function('replay_order_floor(bigint, text, int)', '$1', colocate_with => 'orders');
 
+-- BENCH_DECOMPOSE: the floor plus create_order's statements that are not
+-- the extension's (its request built, one more statement) ...
+CREATE FUNCTION create_order_glue(p_tenant bigint, p_key text, p_amount int) RETURNS jsonb
+LANGUAGE plpgsql AS $$
+DECLARE
+	c		jsonb;
+	v_id	bigint;
+	v_body	jsonb;
+BEGIN
+	c := jsonb_build_object('amount', p_amount, 'key', p_key);
+	IF c IS NULL THEN
+		RETURN NULL;
+	END IF;
+	INSERT INTO orders (tenant_id, key, amount) VALUES (p_tenant, p_key, p_amount)
+	RETURNING id INTO v_id;
+	v_body := jsonb_build_object('order_id', v_id);
+	PERFORM pg_catalog.jsonb_typeof('{"Location": "/orders"}'::jsonb);
+	RETURN v_body;
+END $$;
+SELECT create_distributed_function('create_order_glue(bigint, text, int)', '$1', colocate_with => 'orders');
+
+-- ... and create_order with a claim that is released, not completed: no record.
+CREATE FUNCTION create_order_claim(p_tenant bigint, p_key text, p_amount int) RETURNS jsonb
+LANGUAGE plpgsql AS $$
+DECLARE
+	c		idem_claim_result;
+	v_id	bigint;
+	v_body	jsonb;
+BEGIN
+	c := idem_citus.idem_claim(p_tenant, p_key, jsonb_build_object('amount', p_amount, 'key', p_key));
+	IF c.outcome <> 'claimed' THEN
+		RAISE EXCEPTION 'idem_claim(%, %): %', p_tenant, p_key, c.outcome;
+	END IF;
+	INSERT INTO orders (tenant_id, key, amount) VALUES (p_tenant, p_key, p_amount)
+	RETURNING id INTO v_id;
+	v_body := jsonb_build_object('order_id', v_id);
+	PERFORM idem_citus.idem_release(p_tenant, p_key);
+	RETURN v_body;
+END $$;
+SELECT create_distributed_function('create_order_claim(bigint, text, int)', '$1', colocate_with => 'orders');
+
 -- BENCH_RECORD_FLOOR: the floor of create plus the record a claim and
 -- succeed leave (the sizes of ours: a SHA-256 fingerprint, the response),
 -- written with SQL.
@@ -326,6 +375,16 @@ cat >"$WORK/sql/create_floor_record.sql" <<'EOF'
 \set tenant random(1, :ntenants)
 \set n random(1, 1000000000000000)
 SELECT create_order_floor_record(:tenant, 'g:client_id-:n', 42);
+EOF
+cat >"$WORK/sql/create_glue.sql" <<'EOF'
+\set tenant random(1, :ntenants)
+\set n random(1, 1000000000000000)
+SELECT create_order_glue(:tenant, 'h:client_id-:n', 42);
+EOF
+cat >"$WORK/sql/create_claim.sql" <<'EOF'
+\set tenant random(1, :ntenants)
+\set n random(1, 1000000000000000)
+SELECT create_order_claim(:tenant, 'c:client_id-:n', 42);
 EOF
 cat >"$WORK/sql/execute_ours.sql" <<'EOF'
 \set tenant random(1, :ntenants)
@@ -580,11 +639,25 @@ echo "   ours: $orders orders, $recs completed records (by worker port: $(per_wo
 echo "   calls so far of create_order: $(calls_of create_order); of create_order_floor: $(calls_of create_order_floor)"
 [ "$recs" = "$orders" ] || echo "   !! ours: orders and completed records differ" >&2
 
-if [ "$RECORD_FLOOR" = 1 ]; then
-	compare "create against a floor with the record" create_ours.sql create_floor_record.sql
-	SUMMARY+=("$(printf '%-8s %7s %10s %11s %7s %7s   %-13s %-20s %9s %9s %9s%s' "(record)" "$CLIENTS" "$OURS_TPS" \
+# info_row NAME: a summary row for information (no target).
+info_row() {
+	SUMMARY+=("$(printf '%-8s %7s %10s %11s %7s %7s   %-13s %-20s %9s %9s %9s%s' "$1" "$CLIENTS" "$OURS_TPS" \
 		"$FLOOR_TPS" "$RATIO" "$MEDIAN" "(info)" "$ROUND_RATIOS" "$OURS_CPU" "$FLOOR_CPU" "$CPU_MEDIAN" \
 		"$( ((ERRORS)) && echo "  ERRORS $ERRORS")$NOISY")")
+}
+
+if [ "$DECOMPOSE" = 1 ]; then
+	compare "create's own statements, no extension" create_glue.sql create_floor.sql
+	info_row "(glue)"
+	compare "create with a claim released, no record" create_claim.sql create_floor.sql
+	info_row "(claim)"
+	echo "   records of the released claims: $(sql -c "SELECT count(*) FROM idempotency.records WHERE key LIKE 'c%'")" \
+		"(0 expected), orders: $(sql -c "SELECT count(*) FROM orders WHERE key LIKE 'c%'")"
+fi
+
+if [ "$RECORD_FLOOR" = 1 ]; then
+	compare "create against a floor with the record" create_ours.sql create_floor_record.sql
+	info_row "(record)"
 	echo "   floor_records: $(sql -c "SELECT count(*) FROM floor_records WHERE key LIKE 'g%'") records," \
 		"orders: $(sql -c "SELECT count(*) FROM orders WHERE key LIKE 'g%'")"
 fi

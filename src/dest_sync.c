@@ -237,8 +237,8 @@ dest_sync_append_call(StringInfo calls, const char **values, int *nvalues,
 /*
  * Run the statement calls, with its nvalues parameters, on the workers as
  * the role the caller became (owner); a worker's error is reported with the
- * names of the nnames destinations sent, after going back to the caller's
- * role.
+ * names of the nnames destinations sent, the worker's message, detail and
+ * hint as the detail, after going back to the caller's role.
  */
 static void
 dest_sync_run(const char *calls, int nvalues, const char **values,
@@ -264,7 +264,9 @@ dest_sync_run(const char *calls, int nvalues, const char **values,
 				 nnames == 1 ?
 				 errmsg("sending outbox destination %s to the Citus workers failed", names) :
 				 errmsg("sending outbox destinations %s to the Citus workers failed", names),
-				 errdetail("A worker answered: %s.", edata->message),
+				 errdetail("A worker answered: %s.%s%s%s%s", edata->message,
+						   edata->detail ? " " : "", edata->detail ? edata->detail : "",
+						   edata->hint ? " " : "", edata->hint ? edata->hint : ""),
 				 edata->context ? errcontext("%s", edata->context) : 0,
 				 errhint("Nothing changed on any node.  Once the failing worker is up, or has dropped a destination of its own that has such a name, run the same commands again.")));
 	}

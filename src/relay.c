@@ -2041,7 +2041,8 @@ outbox_cleanup(int batch, void (*between) (void))
 		n = cleanup_batch(&cleanup_deliveries_plan,
 						  "DELETE FROM idempotency.deliveries WHERE ctid = ANY (ARRAY("
 						  " SELECT ctid FROM idempotency.deliveries"
-						  "  WHERE state = 'delivered' AND delivered_at < $1 LIMIT $2))",
+						  "  WHERE state = 'delivered' AND delivered_at < $1"
+						  "  LIMIT $2 FOR UPDATE SKIP LOCKED))",
 						  cutoff, batch);
 		relay_step_end(&step);
 		if (between != NULL && step.own_xact)
@@ -2059,7 +2060,7 @@ outbox_cleanup(int batch, void (*between) (void))
 						  "  WHERE (d.state = 'pending' OR d.state = 'dead') AND d.next_attempt_at < $1"
 						  "    AND NOT EXISTS (SELECT FROM idempotency.destinations t"
 						  "                     WHERE t.id = d.destination_id)"
-						  "  LIMIT $2))",
+						  "  LIMIT $2 FOR UPDATE OF d SKIP LOCKED))",
 						  cutoff, batch);
 		relay_step_end(&step);
 		if (between != NULL && step.own_xact)
@@ -2069,12 +2070,18 @@ outbox_cleanup(int batch, void (*between) (void))
 	/*
 	 * Fold each destination's rows of counter increments into one (and drop
 	 * those of dropped destinations).  Rows a relay appends meanwhile are not
-	 * seen by the delete, and stay.
+	 * seen by the delete, and stay.  Rows that another transaction holds
+	 * stay too, to be folded next time: a drop of their destination that a
+	 * Citus worker holds prepared until the coordinator's recovery, say,
+	 * must not stop the cleanup and the relay that runs in its process.
+	 * The deletes above skip such rows for the same reason.
 	 */
 	if (!relay_step_begin(&step, "idempotency relay: cleanup", true))
 		return 0;
 	relay_prepare(&fold_stats_plan,
-				  "WITH gone AS (DELETE FROM idempotency.destination_stats RETURNING *)"
+				  "WITH gone AS (DELETE FROM idempotency.destination_stats WHERE ctid = ANY (ARRAY("
+				  "    SELECT ctid FROM idempotency.destination_stats FOR UPDATE SKIP LOCKED))"
+				  "  RETURNING *)"
 				  " INSERT INTO idempotency.destination_stats"
 				  " SELECT destination_id, sum(delivered), sum(retried), sum(dead_lettered),"
 				  "        sum(redelivered), sum(latency_sum_us),"

@@ -64,7 +64,8 @@
 #     back to a savepoint does not clear what a worker's relay learned; the
 #     workers commit a transaction's destinations with the coordinator
 #     (two-phase commit): a drop with a worker down drops nothing on the
-#     others, a coordinator crash after the pre-commit step leaves nothing;
+#     others, a coordinator crash after the pre-commit step leaves nothing,
+#     and a worker's cleanup and relay go on while it holds a drop prepared;
 #     secrets are no part of the statements' text on the workers.
 #
 # Skipped when Citus is not installed.
@@ -685,10 +686,11 @@ sub move_shard
 		qr/ERROR:  IK001/, '10: the fenced owner cannot checkpoint the new operation');
 }
 
-# For blocks 11 and 12: a coordinator session that holds the lock of the
-# NOTIFY queue, its own commit waiting for a synchronous standby that never
-# comes, so that the next commit that notifies stops after its pre-commit
-# step, where Citus has committed or prepared the workers' part.
+# For blocks 11, 12 and 18j: a coordinator session that holds the
+# lock of the NOTIFY queue, its own commit waiting for a synchronous
+# standby that never comes, so that the next commit that notifies stops
+# after its pre-commit step, where Citus has committed or prepared the
+# workers' part.
 sub notify_gate
 {
 	my ($n) = @_;
@@ -1311,28 +1313,56 @@ sub unplant_function
 	coord(q{SELECT idem_destination_drop('whole')});
 
 	# j.  The workers commit a transaction's destinations with the
-	# coordinator (two-phase commit): frozen after the pre-commit step (its
-	# COMMIT waits for the NOTIFY queue, see notify_gate), the workers have
-	# prepared, not committed; the coordinator killed there, Citus's
-	# recovery rolls them back, and no node has the destination.
+	# coordinator (two-phase commit).  A transaction that drops one
+	# destination and creates another is frozen after its pre-commit step
+	# (its COMMIT waits for the NOTIFY queue, see notify_gate): the workers
+	# have prepared, not committed.  Meanwhile the rows the drop deletes
+	# stay locked (after a crash, until Citus's recovery): a worker's
+	# cleanup and relay go on without them.  The coordinator killed there,
+	# Citus's recovery rolls the workers back: every node still has the
+	# dropped destination, and none the created one.
+	coord(q{SELECT idem_destination_create('held', 'notify', 'held_channel', '{held.*}');
+		SELECT idem_destination_create('flowing', 'notify', 'flowing_channel', '{flowing.*}');});
+	on($w1, q{SELECT idem_publish('held.x', '{}')});
+	ok( poll_true($w1, q{SELECT count(*) > 0 FROM idempotency.destination_stats s
+			JOIN idempotency.destinations d ON d.id = s.destination_id WHERE d.name = 'held'}),
+		'18j: a worker delivered an event to a destination, and counted it');
 	my $gate = notify_gate('18j');
 	my $app = $coord->background_psql($cluster->dbname, on_error_stop => 0);
 	$app->query_safe('BEGIN');
+	$app->query_safe(q{SELECT idem_destination_drop('held')});
 	$app->query_safe(q{SELECT idem_destination_create('crashed', 'notify', 'crashed_channel', '{crashed.*}')});
 	$app->query_safe(q{SELECT pg_notify('app', 'crashed')});
 	start_query($app, 'COMMIT');
 	ok( $coord->poll_query_until($cluster->dbname, q{
 			SELECT count(*) = 1 FROM pg_stat_activity
 			 WHERE query = 'COMMIT;' AND wait_event_type = 'Lock' AND wait_event = 'object'}),
-		'18j: the COMMIT of a destination create waits for the NOTIFY queue, on the coordinator');
-	is( join(' ', map { on($_, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'crashed'}) . '/'
-				  . on($_, q{SELECT count(*) FROM pg_prepared_xacts}) } @workers),
-		'0/1 0/1', '18j: by then each worker has prepared the destination, not committed it');
+		'18j: the COMMIT of a drop and a create waits for the NOTIFY queue, on the coordinator');
+	my $states = q{SELECT (SELECT string_agg(name, ',' ORDER BY name) FROM idempotency.destinations
+			WHERE name IN ('held', 'crashed')) || '/' || (SELECT count(*) FROM pg_prepared_xacts)};
+	is( join(' ', map { on($_, $states) } @workers),
+		'held/1 held/1', '18j: by then each worker has prepared both, committed neither');
+	my ($out, $err) = ('', '');
+	$w1->psql($cluster->dbname, q{SET statement_timeout = '10s'; SELECT idem_outbox_cleanup() >= 0},
+		stdout => \$out, stderr => \$err);
+	is("$out$err", 't', '18j: the outbox cleanup of a worker finishes meanwhile');
+	# The worker's own cleanup runs every second, in the process of its relay.
+	sleep 2;
+	on($w1, q{SELECT idem_publish('flowing.x', '{}')});
+	my $flowed = 0;
+	for (1 .. 100)
+	{
+		$flowed = on($w1, q{SELECT count(*) FROM idempotency.deliveries v
+			JOIN idempotency.destinations d ON d.id = v.destination_id
+			WHERE d.name = 'flowing' AND v.state = 'delivered'}) eq '1';
+		last if $flowed;
+		select(undef, undef, undef, 0.1);
+	}
+	ok($flowed, '18j: and its relay delivers an event to another destination within 10 s');
 	crash_coordinator($gate, $app);
 	coord('SELECT recover_prepared_transactions()');
-	is( join(' ', map { on($_, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'crashed'}) . '/'
-				  . on($_, q{SELECT count(*) FROM pg_prepared_xacts}) } $cluster->nodes),
-		'0/0 0/0 0/0', '18j: after the coordinator\'s crash and recovery, no node has it');
+	is( join(' ', map { on($_, $states) } $cluster->nodes),
+		'held/0 held/0 held/0', '18j: after the coordinator\'s crash and recovery, every node has the dropped one and none the created one');
 
 	# k.  The definition, secrets included, is no part of the statement's
 	# text: a worker that refuses it logs the statement with its error,
@@ -1356,7 +1386,8 @@ sub unplant_function
 	for my $node ($cluster->nodes)
 	{
 		on($node, q{SET citus.enable_ddl_propagation = off;
-			SELECT idem_destination_drop(name) FROM idem_destinations WHERE name IN ('w1note', 'kept', 'plant4', 'learned', 'secretive')});
+			SELECT idem_destination_drop(name) FROM idem_destinations
+			 WHERE name IN ('w1note', 'kept', 'plant4', 'learned', 'secretive', 'held', 'flowing')});
 	}
 }
 

@@ -237,8 +237,9 @@ dest_sync_append_call(StringInfo calls, const char **values, int *nvalues,
 /*
  * Run the statement calls, with its nvalues parameters, on the workers as
  * the role the caller became (owner); a worker's error is reported with the
- * names of the nnames destinations sent, the worker's message, detail and
- * hint as the detail, after going back to the caller's role.
+ * names of the nnames destinations sent, Citus's message (a worker's,
+ * with the worker in the context), detail and hint as the detail, and the
+ * same SQLSTATE, after going back to the caller's role.
  */
 static void
 dest_sync_run(const char *calls, int nvalues, const char **values,
@@ -246,6 +247,7 @@ dest_sync_run(const char *calls, int nvalues, const char **values,
 {
 	MemoryContext oldcontext = CurrentMemoryContext;
 
+	shard_check_workers();
 	PG_TRY();
 	{
 		shard_run_on_workers(calls, nvalues, values,
@@ -259,15 +261,18 @@ dest_sync_run(const char *calls, int nvalues, const char **values,
 		edata = CopyErrorData();
 		FlushErrorState();
 		outbox_restore_user(owner);
+		/* A serialization failure or deadlock (class 40) is retried as anywhere. */
 		ereport(ERROR,
 				(errcode(edata->sqlerrcode),
 				 nnames == 1 ?
 				 errmsg("sending outbox destination %s to the Citus workers failed", names) :
 				 errmsg("sending outbox destinations %s to the Citus workers failed", names),
-				 errdetail("A worker answered: %s.%s%s%s%s", edata->message,
+				 errdetail("Citus reported: %s.%s%s%s%s", edata->message,
 						   edata->detail ? " " : "", edata->detail ? edata->detail : "",
 						   edata->hint ? " " : "", edata->hint ? edata->hint : ""),
 				 edata->context ? errcontext("%s", edata->context) : 0,
+				 ERRCODE_TO_CATEGORY(edata->sqlerrcode) == ERRCODE_TRANSACTION_ROLLBACK ?
+				 errhint("Nothing changed on any node.  The transaction might succeed if retried.") :
 				 errhint("Nothing changed on any node.  Once the failing worker is up, or has dropped a destination of its own that has such a name, run the same commands again.")));
 	}
 	PG_END_TRY();

@@ -656,6 +656,40 @@ shard_citus_send_function(void)
 }
 
 /*
+ * Check that command can be sent to every worker by shard_run_on_workers:
+ * Citus 13, and every active worker with Citus's metadata, which Citus
+ * sends commands of the distributed transaction to (a worker without it,
+ * after stop_metadata_sync_to_node, would be left out).  Errors here are
+ * this node's, not a worker's.
+ */
+void
+shard_check_workers(void)
+{
+	int64		without;
+	bool		isnull;
+
+	(void) shard_citus_send_function();
+	if (SPI_connect() != SPI_OK_CONNECT)
+		elog(ERROR, "SPI_connect failed");
+	if (SPI_execute("SELECT count(*) FROM pg_catalog.pg_dist_node n"
+					" WHERE n.isactive AND n.noderole OPERATOR(pg_catalog.=) 'primary'"
+					"   AND NOT n.hasmetadata"
+					"   AND n.groupid OPERATOR(pg_catalog.<>) (SELECT groupid FROM pg_catalog.pg_dist_local_group)",
+					true, 1) != SPI_OK_SELECT)
+		elog(ERROR, "could not read the Citus node metadata");
+	without = DatumGetInt64(SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1, &isnull));
+	SPI_finish();
+	if (without > 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg_plural("%lld active Citus worker has no metadata",
+							   "%lld active Citus workers have no metadata",
+							   without, (long long) without),
+				 errdetail("Outbox destinations reach the workers inside Citus's distributed transaction, which only workers with metadata take part in."),
+				 errhint("Run start_metadata_sync_to_node() for them, then the command again.")));
+}
+
+/*
  * Run command, whose nparams parameters ($1, $2, ...) are the texts values,
  * on every other active node of the Citus cluster as role user, inside this
  * transaction: Citus commits it there with two-phase commit when this

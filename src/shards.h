@@ -39,6 +39,7 @@ extern List *shard_local_relids(Oid relid);
 extern bool shard_has_tenant_column(Relation rel, int natts);
 extern Datum shard_tenant_value(Relation rel, int natts, text *value);
 extern bool shard_citus_coordinator(void);
+extern void shard_check_workers(void);
 extern void shard_run_on_workers(const char *command, int nparams,
 								 const char *const *values, const char *user);
 extern void shard_commit_with_2pc(void);

@@ -66,6 +66,7 @@
 #     (two-phase commit): a drop with a worker down drops nothing on the
 #     others, a coordinator crash after the pre-commit step leaves nothing,
 #     and a worker's cleanup and relay go on while it holds a drop prepared;
+#     a worker without Citus's metadata makes destination commands fail;
 #     secrets are no part of the statements' text on the workers.
 #
 # Skipped when Citus is not installed.
@@ -1382,6 +1383,16 @@ sub unplant_function
 		'18k: the worker logged the statement');
 	unlike($w1_log, qr/MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw/, '18k: and not the secret');
 	on($w1, q{ALTER SYSTEM RESET log_statement; SELECT pg_reload_conf();});
+
+	# l.  A worker without Citus's metadata would be left out of the
+	# distributed transaction: the command is refused instead.
+	coord(sprintf(q{SELECT stop_metadata_sync_to_node('%s', %d)}, $w2->host, $w2->port));
+	like(coord_try(q{SELECT idem_destination_create('nometa', 'notify', 'nometa_channel', '{x.*}')}),
+		qr/ERROR:  1 active Citus worker has no metadata/,
+		'18l: a destination command is refused while a worker has no metadata');
+	coord(sprintf(q{SELECT start_metadata_sync_to_node('%s', %d)}, $w2->host, $w2->port));
+	is( join(' ', map { on($_, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'nometa'}) } $cluster->nodes),
+		'0 0 0', '18l: and no node has the destination');
 
 	for my $node ($cluster->nodes)
 	{

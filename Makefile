@@ -3,6 +3,8 @@
 EXTENSION = idempotency
 EXTVERSION = 1.4
 MODULE_big = idempotency
+# Only src/: the test-only module test/modules/idem_test has a Makefile of
+# its own and is never built, installed or packaged from here.
 OBJS = $(patsubst %.c,%.o,$(wildcard src/*.c))
 DATA = $(wildcard $(EXTENSION)--*.sql)
 PGFILEDESC = "idempotency - retried operations that take effect once"

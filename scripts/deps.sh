@@ -97,6 +97,21 @@ idem_build_install() {
 	make -s PG_CONFIG="$PG_CONFIG" install ${IDEM_DESTDIR:+DESTDIR="$IDEM_DESTDIR"} >/dev/null
 }
 
+# Builds and installs the test-only module test/modules/idem_test (the relay
+# harness that t/023 and t/026 declare as 'idem_test') for PG_CONFIG, into
+# IDEM_DESTDIR if set.  The extension's own build and package never include
+# it, so test/run.sh installs it in every mode, IDEM_INSTALLED=1 too: there
+# it is built against the installed PostgreSQL's pg_config and the
+# extension itself is neither rebuilt nor reinstalled.  Cleaned first: the
+# same tree may have built it for another major (test/deb.sh tests each
+# major the package was built for from one copy of the source).
+idem_test_module_install() {
+	local dir=test/modules/idem_test
+	make -s -C "$dir" PG_CONFIG="$PG_CONFIG" clean >/dev/null &&
+		make -s -C "$dir" PG_CONFIG="$PG_CONFIG" >/dev/null &&
+		make -s -C "$dir" PG_CONFIG="$PG_CONFIG" install ${IDEM_DESTDIR:+DESTDIR="$IDEM_DESTDIR"} >/dev/null
+}
+
 # Run a command as the unprivileged user "postgres" when we are root:
 # PostgreSQL refuses to run as root.
 idem_as_pg() {

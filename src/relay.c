@@ -47,7 +47,8 @@
  * in-database delivery and record steps; the per-destination endpoint state
  * (circuit, pacing, disabling) is relay_circuit.c's.
  *
- * relay_run (the test harness, relay_harness.c) runs the steps in
+ * A pass called outside any transaction (only the relay harness of the
+ * test module test/modules/idem_test does so) runs the steps in
  * transactions of its own: the attempt count is committed before any
  * effect, and HTTP requests are made while no transaction is open.  idem_outbox_relay (SQL) runs in
  * the caller's transaction: the same code, the same statements, without the
@@ -1696,11 +1697,8 @@ relay_abandon_interrupted(RelayItem **items, int n, MemoryContext cxt)
 	}
 }
 
-/*
- * One pass: claim, deliver, record.  Works in its own transactions when
- * called outside one, else within the caller's.
- */
-static int64
+/* See relay.h. */
+int64
 relay_pass(int max_events)
 {
 	RelayStep	step;
@@ -1719,6 +1717,9 @@ relay_pass(int max_events)
 				 errmsg("a relay pass cannot run inside another"),
 				 errdetail("A destination function called idem_outbox_relay().")));
 	if (RecoveryInProgress())
+		return 0;
+	/* A server made read-only on purpose gets no writes from us either. */
+	if (!IsTransactionState() && DefaultXactReadOnly)
 		return 0;
 
 	step.own_xact = !IsTransactionState();
@@ -1878,17 +1879,6 @@ done:
 }
 
 /* See relay.h. */
-int64
-relay_run(int max_events)
-{
-	/* A server made read-only on purpose gets no writes from us either. */
-	if (DefaultXactReadOnly)
-		return 0;
-	return relay_pass(max_events);
-}
-
-
-/* See relay.h. */
 bool
 bgworker_run_guarded(const char *what, void (*unit) (void *arg), void *arg)
 {
@@ -1919,13 +1909,9 @@ bgworker_run_guarded(const char *what, void (*unit) (void *arg), void *arg)
 }
 
 /*
- * When the relay next has work: the earliest next_attempt_at of a pending
- * delivery of an active destination that may be claimed now (neither paced
- * by Retry-After nor with an open circuit waiting for its probe time, nor
- * among the nfull destinations in full, whose requests are all in flight),
- * or the end of such a wait; 0 if none.  Each destination's earliest
- * pending delivery is one probe of deliveries_due_by_destination: a full
- * destination's due backlog, however large, is never walked.
+ * See relay.h.  Each destination's earliest pending delivery is one probe
+ * of deliveries_due_by_destination: a full destination's due backlog,
+ * however large, is never walked.
  */
 TimestampTz
 relay_next_due_except(int32 *full, int nfull)
@@ -1981,13 +1967,6 @@ relay_next_due_except(int32 *full, int nfull)
 		due = DatumGetTimestampTz(spi_value(SPI_tuptable->vals[0], 1, TimestampTzGetDatum(0)));
 	relay_step_end(&step);
 	return due;
-}
-
-/* See relay.h. */
-TimestampTz
-relay_next_due(void)
-{
-	return relay_next_due_except(NULL, 0);
 }
 
 /* Run one cleanup statement with (cutoff, batch); returns the rows removed. */

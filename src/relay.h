@@ -6,7 +6,7 @@
  * The worker's loop (not inside a transaction) calls relay_loop_run() when
  * its latch is set, a request has news or the relay's next due time has
  * come, and outbox_cleanup() now and then; relay helpers run the same
- * loop.  A relay pass (relay_run, and idem_outbox_relay in SQL) and
+ * loop.  A relay pass (relay_pass: idem_outbox_relay in SQL) and
  * outbox_cleanup manage their own transactions when called outside one, and
  * work inside the caller's transaction otherwise (the SQL entry points
  * idem_outbox_relay and idem_outbox_cleanup).  An error propagates to the
@@ -25,14 +25,18 @@
  * One relay pass in the current database: claim up to max_events due
  * deliveries across all active destinations, deliver them, record the
  * outcomes, waiting for every request of the batch.  Returns the number of
- * deliveries attempted.  Neither the worker nor the helpers use it any
- * more (they run relay_loop_run); the test harness (relay_harness.c) does,
- * in a process of its own.  A pass does nothing on a
- * hot standby, while default_transaction_read_only is on, in a database
- * without the outbox, or while another session holds a lock on the
- * deliveries that it would wait for.
+ * deliveries attempted.  Works within the caller's transaction
+ * (idem_outbox_relay), or in transactions of its own when called outside
+ * one.  Neither the worker nor the helpers use it (they run
+ * relay_loop_run); only the relay harness of the test-only module
+ * test/modules/idem_test calls it outside a transaction, in a process of
+ * its own, which is why it is exported (PGDLLEXPORT): that module finds it
+ * with load_external_function().  A pass does nothing on a hot standby,
+ * outside a transaction while default_transaction_read_only is on, in a
+ * database without the outbox, or while another session holds a lock on
+ * the deliveries that it would wait for.
  */
-extern int64 relay_run(int max_events);
+extern PGDLLEXPORT int64 relay_pass(int max_events);
 
 /*
  * One iteration of the worker's relay loop, outside any transaction:
@@ -90,11 +94,16 @@ extern int	relay_loop_in_flight(void);
 extern bool bgworker_run_guarded(const char *what, void (*unit) (void *arg), void *arg);
 
 /*
- * The earliest next_attempt_at of a pending delivery of an active
- * destination (the visibility deadline of a claimed one included), or 0 if
- * there is none: the worker can sleep until then.
+ * When the relay next has work: the earliest next_attempt_at of a pending
+ * delivery of an active destination (the visibility deadline of a claimed
+ * one included) that may be claimed now (neither paced by Retry-After nor
+ * with an open circuit waiting for its probe time, nor among the nfull
+ * destinations in full, whose requests are all in flight), or the end of
+ * such a wait; 0 if none: the relay loop can sleep until then.  Exported
+ * (PGDLLEXPORT) for the test-only module test/modules/idem_test, whose
+ * idem_relay_next_due() calls it with no destination left out.
  */
-extern TimestampTz relay_next_due(void);
+extern PGDLLEXPORT TimestampTz relay_next_due_except(int32 *full, int nfull);
 
 /*
  * Remove deliveries delivered longer than idempotency.outbox_retention ago,

@@ -936,8 +936,8 @@ http_outcome(HttpRequest *req, CURLcode result)
  * Deliver every pending item of kind 'http' in items, at most
  * http_max_in_flight() at a time and at most its destination's
  * max_in_flight to one destination, and set each one's outcome.  This is
- * the synchronous delivery of idem_outbox_relay() and of relay_run's
- * passes; the worker's relay loop uses http_async_* instead.
+ * the synchronous delivery of a relay pass (idem_outbox_relay(), and the
+ * test module's harness); the worker's relay loop uses http_async_* instead.
  * The deliveries of one key to one destination go one after the other: each
  * starts when its predecessor is delivered, and is released (not sent) if
  * the predecessor fails.  While requests are under way, the pass's claims

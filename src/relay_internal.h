@@ -66,7 +66,6 @@ extern void relay_rooms_block(RelayRooms *rooms, int32 id);
 extern void relay_rooms_take(RelayRooms *rooms, RelayItem **items, int first, int n);
 extern int	relay_claim(int max_events, int waves, RelayRooms *rooms, TimestampTz now,
 						MemoryContext cxt, RelayItem ***items, bool *backlog);
-extern TimestampTz relay_next_due_except(int32 *full, int nfull);
 
 /* relay.c: in-database deliveries and outcomes */
 extern void relay_relock(RelayItem **items, int n, bool *any);

@@ -1,8 +1,9 @@
-# The relay as the background worker runs it: relay_run() outside any
+# The relay as the background worker runs it: relay_pass() outside any
 # transaction, through the test harness idem_relay_harness() (a short-lived
-# background worker, see src/relay_harness.c).  Here the claim commits before
-# any effect and HTTP requests go out while no transaction is open, so a
-# crash leaves committed claims behind:
+# background worker of the test-only module idem_test, see
+# test/modules/idem_test/idem_test.c, which test/run.sh installs).  Here the
+# claim commits before any effect and HTTP requests go out while no
+# transaction is open, so a crash leaves committed claims behind:
 #
 #  - kill -9 of the relay with ten webhooks in flight: after recovery every
 #    claimed delivery carries its attempt and stays hidden until its
@@ -15,7 +16,8 @@
 #    delivered exactly once;
 #  - a pass skips, rather than waits, while another session holds a lock on
 #    the deliveries (DROP EXTENSION, TRUNCATE, CREATE INDEX);
-#  - relay_next_due() tells the worker when to wake up.
+#  - relay_next_due_except() (idem_relay_next_due()) tells the worker when
+#    to wake up.
 use strict;
 use warnings;
 
@@ -45,9 +47,9 @@ $node->start;
 $node->safe_psql('postgres', q{
 	CREATE EXTENSION idempotency;
 	CREATE FUNCTION idem_relay_harness(max_events int, max_passes int) RETURNS bigint
-		AS 'idempotency', 'idem_relay_harness' LANGUAGE C STRICT;
+		AS 'idem_test', 'idem_relay_harness' LANGUAGE C STRICT;
 	CREATE FUNCTION idem_relay_next_due() RETURNS timestamptz
-		AS 'idempotency', 'idem_relay_next_due' LANGUAGE C;
+		AS 'idem_test', 'idem_relay_next_due' LANGUAGE C;
 });
 
 my $sink = WebhookSink->new(
@@ -135,7 +137,7 @@ is( $node->safe_psql('postgres', q{
 is(harness(100, 1), '0', 'before the deadline no relay takes them');
 my $due = $node->safe_psql('postgres',
 	q{SELECT extract(epoch FROM idem_relay_next_due() - now()) BETWEEN 0 AND 5});
-is($due, 't', 'relay_next_due() is their visibility deadline, seconds away');
+is($due, 't', 'idem_relay_next_due() is their visibility deadline, seconds away');
 
 sleep 3.2;    # the sink answers the abandoned requests
 $sink->set_mode('204');
@@ -236,7 +238,7 @@ $locker->query_safe('COMMIT');
 $locker->quit;
 is(harness(10, 1), '1', 'once it is gone, the pass delivers');
 
-# ---- relay_next_due() follows a retry's backoff.
+# ---- idem_relay_next_due() follows a retry's backoff.
 $node->safe_psql('postgres', q{
 	CREATE FUNCTION refuse(event jsonb) RETURNS void LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'no'; END $$;
 	SELECT idem_destination_create('refuser', 'function', 'refuse(jsonb)', '{later.*}',
@@ -247,7 +249,7 @@ is(harness(10, 1), '1', 'a failing delivery');
 is( $node->safe_psql('postgres', q{
 		SELECT idem_relay_next_due() = (SELECT next_attempt_at FROM idempotency.deliveries WHERE state = 'pending')
 		   AND idem_relay_next_due() <= now() + interval '1 hour'}),
-	't', 'relay_next_due() is its next attempt, within the backoff window');
+	't', 'idem_relay_next_due() is its next attempt, within the backoff window');
 $node->safe_psql('postgres', q{SELECT idem_destination_pause('refuser')});
 is($node->safe_psql('postgres', 'SELECT idem_relay_next_due()'), '', 'a paused destination has nothing due');
 

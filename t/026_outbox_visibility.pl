@@ -9,10 +9,11 @@
 # the pass goes on, a second relay claims the chain again once the deadline
 # has passed and sends it a second time, out of order.
 #
-# Relay A is the worker's code path (idem_relay_harness: relay_run in a
-# background worker, claims committed before anything is sent); relay B
-# runs idem_outbox_relay() passes back to back while A works.  The sink must
-# accept every event exactly once, in publish order.
+# Relay A is the worker's code path (idem_relay_harness of the test module
+# idem_test: relay_pass outside a transaction in a background worker, claims
+# committed before anything is sent); relay B runs idem_outbox_relay()
+# passes back to back while A works.  The sink must accept every event
+# exactly once, in publish order.
 #
 # The same holds for a pass whose webhooks are followed by a slow function
 # call: the webhooks' outcomes are recorded before the call starts.
@@ -43,7 +44,7 @@ $node->start;
 $node->safe_psql('postgres', q{
 	CREATE EXTENSION idempotency;
 	CREATE FUNCTION idem_relay_harness(max_events int, max_passes int) RETURNS bigint
-		AS 'idempotency', 'idem_relay_harness' LANGUAGE C STRICT;
+		AS 'idem_test', 'idem_relay_harness' LANGUAGE C STRICT;
 });
 
 my $sink = WebhookSink->new(

@@ -14,8 +14,14 @@
 # that the installed library and control file belong to the package
 # (`dpkg -S`), and runs the whole suite there against the installed files:
 # `IDEM_INSTALLED=1 IDEM_SANITIZE=0 bash test/run.sh` from a copy of the
-# source, which builds and installs nothing in that mode (it does install
-# the test tools: server headers, pgTAP, IPC::Run).
+# source, which builds and installs nothing of the extension in that mode
+# (it does install the test tools: server headers, pgTAP, IPC::Run, and the
+# test-only module test/modules/idem_test, built there with the installed
+# PostgreSQL's pg_config).
+#
+# Every suite, "host" too, checks that each built package leaves the test
+# module out: no idem_test file in it, and no relay harness in its
+# idempotency.so.
 #
 # "host" builds in a scratch copy of the source on this machine and stops
 # there (counted as one test, "1 passed, 0 failed"): installing the package
@@ -72,8 +78,29 @@ report_packages() {
 		cp "$deb" "$out/"
 		debs+=("$(basename "$deb")")
 		say "built $(basename "$deb") ($(stat -c %s "$deb") bytes)"
+		check_no_test_module "$deb"
 	done
 	[ ${#debs[@]} -gt 0 ] || fail "dpkg-buildpackage made no postgresql-NN-idempotency package"
+}
+
+# Fails the run if a built package ships test-only code: the module
+# test/modules/idem_test, or the relay harness compiled into idempotency.so
+# (where it once was).  Reads the .deb with this machine's dpkg-deb, so
+# that it needs nothing in the root.  $1: the package file.  grep -c, not
+# grep -q: under pipefail, a grep that quits at its first match would end
+# the pipeline with the writer's SIGPIPE, and the check would pass.
+check_no_test_module() {
+	local deb=$1 files lib
+	files=$(dpkg-deb -c "$deb" | awk '{print $NF}')
+	if [ "$(echo "$files" | grep -c 'idem_test')" -gt 0 ]; then
+		fail "$(basename "$deb") ships the test module idem_test"
+	fi
+	lib=$(echo "$files" | grep -E '/lib/idempotency\.so$' | head -n1)
+	[ -n "$lib" ] || fail "$(basename "$deb") has no idempotency.so"
+	if [ "$(dpkg-deb --fsys-tarfile "$deb" | tar -xOf - "$lib" | grep -ac 'idem_relay_harness')" -gt 0 ]; then
+		fail "the idempotency.so of $(basename "$deb") contains the relay harness"
+	fi
+	say "$(basename "$deb"): no test module, no relay harness in idempotency.so"
 }
 
 # The Build-Depends of debian/control and dpkg-dev, if any is missing.

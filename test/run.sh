@@ -9,6 +9,11 @@
 # IDEM_INSTALLED=1 tests the extension already installed for this PostgreSQL
 # (by the Debian package, say) instead of building and installing it.
 #
+# In every mode it builds and installs the test-only module
+# test/modules/idem_test (the relay harness of the TAP tests), which the
+# extension's build and package leave out; with IDEM_INSTALLED=1 that is
+# the only thing it builds and installs.
+#
 # Arguments, if any, are extended regular expressions: only the tests whose
 # name (e.g. "claim", "phases_fencing", "t/020_outbox_http.pl") matches one
 # of them run.  For development; CI runs everything.
@@ -38,7 +43,7 @@ idem_install_deps || exit 1
 idem_pg_env
 if [ "${IDEM_INSTALLED:-0}" = 1 ]; then
 	# Test the extension as installed (e.g. from the Debian package):
-	# build nothing, install nothing.
+	# build and install nothing of it (the test module comes below).
 	installed_lib="$("$PG_CONFIG" --pkglibdir)/idempotency.so"
 	if [ ! -f "$installed_lib" ]; then
 		echo "IDEM_INSTALLED=1 but $installed_lib is not installed"
@@ -50,6 +55,9 @@ if [ "${IDEM_INSTALLED:-0}" = 1 ]; then
 else
 	idem_build_install || { echo "build failed"; echo "0 passed, 1 failed"; exit 1; }
 fi
+# The TAP tests load the test module; no package ships it, so it is built
+# here for this PostgreSQL in either case.
+idem_test_module_install || { echo "build of test/modules/idem_test failed"; echo "0 passed, 1 failed"; exit 1; }
 
 # A work directory the server's user can write; results are copied back.
 work=$(mktemp -d /tmp/idempotency-test.XXXXXX)

@@ -43,6 +43,10 @@ cd "$(dirname "$0")/.."
 top=$(pwd)
 . scripts/deps.sh
 
+# Neither uses the test-only module test/modules/idem_test, so it is not
+# installed into the staging copy; a test added here that declares its
+# functions would need idem_test_module_install (scripts/deps.sh) after the
+# build below.
 sanitize_tap="t/040_hostile_input.pl t/041_fingerprint_interrupts.pl"
 
 regress_only=0

@@ -1,24 +1,37 @@
 /*-------------------------------------------------------------------------
  *
- * relay_harness.c
- *	  A test and benchmark harness for relay_run: a relay pass in a process
- *	  of its own.
+ * idem_test.c
+ *	  A test-only module for idempotency: the relay harness, a relay pass
+ *	  in a process of its own.
  *
- * relay_run is a synchronous pass called outside any transaction, so that
- * it commits its claims before delivering and makes HTTP requests while no
- * transaction is open.  (The per-database worker and its helpers no longer
- * run passes: they run relay_loop_run, see relay_loop.c.)  To test this
- * path on its own, idem_relay_harness() starts a short-lived dynamic
- * background worker in the caller's database that calls relay_run, waits
- * for it and returns the number of deliveries attempted.
+ * It is never part of the extension's build or of its package: the
+ * top-level Makefile builds only the sources in src/.  test/run.sh builds
+ * and installs it (scripts/deps.sh, idem_test_module_install) for the
+ * PostgreSQL under test before the TAP tests, whether the extension was
+ * built from source or is installed from the Debian package.
  *
- * It is not part of the extension's SQL API: the tests and bench/ declare it
- * themselves, as a superuser, with
+ * A relay pass (relay_pass in idempotency.so) called outside any
+ * transaction commits its claims before delivering and makes HTTP requests
+ * while no transaction is open.  (The per-database worker and its helpers no longer run passes:
+ * they run relay_loop_run, see relay_loop.c.)  To test this path on its
+ * own, idem_relay_harness() starts a short-lived dynamic background worker
+ * of this module in the caller's database that calls relay_pass, waits for
+ * it and returns the number of deliveries attempted.
+ *
+ * This module does not link against idempotency.so.  It looks up the two
+ * functions it needs, relay_pass and relay_next_due_except (declared
+ * PGDLLEXPORT in src/relay.h for it), with load_external_function() at
+ * first use, in each process: that finds idempotency.so already loaded
+ * (shared_preload_libraries, as in the tests) or loads it then, so no load
+ * order is relied on, and a missing function is an error, not a crash.
+ *
+ * It has no SQL script: the tests declare its functions themselves, as a
+ * superuser, with
  *
  *	CREATE FUNCTION idem_relay_harness(max_events int, max_passes int)
- *	RETURNS bigint AS 'idempotency', 'idem_relay_harness' LANGUAGE C STRICT;
+ *	RETURNS bigint AS 'idem_test', 'idem_relay_harness' LANGUAGE C STRICT;
  *	CREATE FUNCTION idem_relay_next_due() RETURNS timestamptz
- *	AS 'idempotency', 'idem_relay_next_due' LANGUAGE C;
+ *	AS 'idem_test', 'idem_relay_next_due' LANGUAGE C;
  *
  *-------------------------------------------------------------------------
  */
@@ -32,7 +45,14 @@
 #include "tcop/tcopprot.h"
 #include "utils/timestamp.h"
 
-#include "relay.h"
+PG_MODULE_MAGIC;
+
+/* The library whose functions the harness runs. */
+#define IDEM_LIBRARY	"idempotency"
+
+/* Signatures of the functions of idempotency.so, as src/relay.h declares them. */
+typedef int64 (*relay_pass_fn) (int max_events);
+typedef TimestampTz (*relay_next_due_except_fn) (int32 *full, int nfull);
 
 /* What the harness worker is asked to do, passed in bgw_extra. */
 typedef struct HarnessArgs
@@ -52,6 +72,32 @@ typedef struct HarnessResult
 } HarnessResult;
 
 PGDLLEXPORT void idem_relay_harness_main(Datum main_arg);
+
+/*
+ * relay_pass of idempotency.so, looked up once per process: an error if the
+ * library or the function cannot be found.
+ */
+static relay_pass_fn
+harness_relay_pass(void)
+{
+	static relay_pass_fn fn = NULL;
+
+	if (fn == NULL)
+		fn = (relay_pass_fn) load_external_function(IDEM_LIBRARY, "relay_pass", true, NULL);
+	return fn;
+}
+
+/* relay_next_due_except of idempotency.so, looked up once per process like relay_pass. */
+static relay_next_due_except_fn
+harness_relay_next_due_except(void)
+{
+	static relay_next_due_except_fn fn = NULL;
+
+	if (fn == NULL)
+		fn = (relay_next_due_except_fn) load_external_function(IDEM_LIBRARY, "relay_next_due_except",
+															   true, NULL);
+	return fn;
+}
 
 PG_FUNCTION_INFO_V1(idem_relay_harness);
 
@@ -83,6 +129,8 @@ idem_relay_harness(PG_FUNCTION_ARGS)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("max_events and max_passes must be at least 1")));
+	/* A missing relay_pass fails here, in the caller, rather than in the worker. */
+	(void) harness_relay_pass();
 
 	seg = dsm_create(sizeof(HarnessResult), 0);
 	result = dsm_segment_address(seg);
@@ -92,7 +140,8 @@ idem_relay_harness(PG_FUNCTION_ARGS)
 	worker.bgw_flags = BGWORKER_SHMEM_ACCESS | BGWORKER_BACKEND_DATABASE_CONNECTION;
 	worker.bgw_start_time = BgWorkerStart_RecoveryFinished;
 	worker.bgw_restart_time = BGW_NEVER_RESTART;
-	snprintf(worker.bgw_library_name, BGW_MAXLEN, "idempotency");
+	/* The worker's entry point is this module's: idempotency.so has none for it. */
+	snprintf(worker.bgw_library_name, BGW_MAXLEN, "idem_test");
 	snprintf(worker.bgw_function_name, BGW_MAXLEN, "idem_relay_harness_main");
 	snprintf(worker.bgw_name, BGW_MAXLEN, "idempotency relay harness");
 	snprintf(worker.bgw_type, BGW_MAXLEN, "idempotency relay harness");
@@ -116,13 +165,17 @@ idem_relay_harness(PG_FUNCTION_ARGS)
 	PG_RETURN_INT64(attempted);
 }
 
-/* The harness worker: relay passes exactly as the background worker runs them. */
+/*
+ * The harness worker: relay passes outside any transaction, each managing
+ * its own, as the background worker once ran them.
+ */
 void
 idem_relay_harness_main(Datum main_arg)
 {
 	HarnessArgs args;
 	dsm_segment *seg;
 	HarnessResult *result;
+	relay_pass_fn relay_pass;
 
 	pqsignal(SIGTERM, die);
 	BackgroundWorkerUnblockSignals();
@@ -135,10 +188,11 @@ idem_relay_harness_main(Datum main_arg)
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("could not map the relay harness's shared memory")));
 	result = dsm_segment_address(seg);
+	relay_pass = harness_relay_pass();
 
 	for (int pass = 0; pass < args.max_passes; pass++)
 	{
-		int64		n = relay_run(args.max_events);
+		int64		n = relay_pass(args.max_events);
 
 		result->attempted += n;
 		result->passes++;
@@ -153,13 +207,14 @@ idem_relay_harness_main(Datum main_arg)
 PG_FUNCTION_INFO_V1(idem_relay_next_due);
 
 /*
- * idem_relay_next_due() returns timestamptz: relay_next_due() from SQL, for
- * tests (NULL when nothing is pending).  Declared like idem_relay_harness.
+ * idem_relay_next_due() returns timestamptz: when the relay next has work
+ * (relay_next_due_except with no destination left out) from SQL, for tests;
+ * NULL when nothing is pending.  Declared like idem_relay_harness.
  */
 Datum
 idem_relay_next_due(PG_FUNCTION_ARGS)
 {
-	TimestampTz due = relay_next_due();
+	TimestampTz due = harness_relay_next_due_except() (NULL, 0);
 
 	if (due == 0)
 		PG_RETURN_NULL();

@@ -23,9 +23,10 @@
  * crash of the coordinator, and a worker that fails (down, or refusing the
  * definition) fails the coordinator's commit, with its error.  The
  * definitions travel as parameters of the statement, not in its text.  The
- * workers apply it as the extension's owner: the command's privileges are checked on the
- * coordinator, and each node makes the destination as the role that made
- * it on the coordinator, which a function destination's calls run as.
+ * workers apply it as the extension's owner: the command's privileges are
+ * checked on the coordinator, and each node makes the destination as the
+ * role that made it on the coordinator, which a function destination's
+ * calls run as.
  *
  * What a node's relay learns about an endpoint (failures, circuit, pacing,
  * disabling after 410 or disable_after) stays that node's; a resume on the
@@ -315,6 +316,7 @@ dest_sync_send(void)
 	 */
 	initStringInfo(&calls);
 	initStringInfo(&names);
+	/* At most two calls a note (its drop, its definition), two values each. */
 	values = palloc(sizeof(char *) * 4 * list_length(notes));
 	outbox_become_owner(&owner);
 	foreach(lc, notes)

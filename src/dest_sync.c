@@ -751,6 +751,14 @@ idem_destination_sync(PG_FUNCTION_ARGS)
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 				 errmsg("name must not be null")));
 	name = PG_GETARG_TEXT_PP(0);
+
+	/*
+	 * The definition, secrets included, is part of the statement's text
+	 * where Citus takes no parameters (built for PostgreSQL 16 and later):
+	 * an error of this transaction does not log the statement.
+	 */
+	(void) set_config_option("log_min_error_statement", "panic", PGC_SUSET, PGC_S_SESSION,
+							 GUC_ACTION_LOCAL, true, 0, false);
 	values[0] = PointerGetDatum(name);
 	dest_sync_read_here(name, &here);
 

@@ -47,6 +47,7 @@
  */
 #include "postgres.h"
 
+#include <ctype.h>
 #include <dlfcn.h>
 
 #include "access/htup_details.h"
@@ -55,12 +56,16 @@
 #include "access/table.h"
 #include "access/xact.h"
 #include "catalog/namespace.h"
+#include "catalog/pg_authid.h"
 #include "catalog/pg_namespace.h"
 #include "catalog/pg_type.h"
 #include "commands/extension.h"
+#include "executor/executor.h"
 #include "executor/spi.h"
 #include "miscadmin.h"
 #include "nodes/primnodes.h"
+#include "nodes/value.h"
+#include "parser/parse_func.h"
 #include "storage/lmgr.h"
 #include "storage/lock.h"
 #include "lib/stringinfo.h"
@@ -611,28 +616,78 @@ shard_citus_coordinator(void)
 }
 
 /*
- * Citus's function that sends a command with parameters to every other
- * active node of the cluster that has its metadata (every worker, from the
- * coordinator), as a given role, inside the coordinated transaction
- * (worker_transaction.c), as Citus 13 declares it.
+ * The functions of citus.so that the extension calls, as Citus 13 declares
+ * them.  Two are internal: Citus built for PostgreSQL 15 exports them, but
+ * from PostgreSQL 16 on extensions are built with hidden symbols, and only
+ * Citus's SQL-callable functions are found.  For those builds one such
+ * function, execute_command_on_remote_nodes_as_user (which Citus itself
+ * calls through SQL from other databases, see its
+ * non_main_db_distribute_object_ops.c), does what the two do: it sends a
+ * command to every other node inside the coordinated transaction, which it
+ * switches to two-phase commit.
  */
 typedef void (*CitusSendParams) (const char *command, const char *user,
 								 int parameterCount, const Oid *parameterTypes,
 								 const char *const *parameterValues);
 
-/*
- * Citus's SendCommandToRemoteMetadataNodesParams, which citus.so exports,
- * for the Citus versions whose declaration of it we know (13.x), or an
- * error.
- */
-static CitusSendParams
-shard_citus_send_function(void)
+typedef struct CitusEntryPoints
 {
-	static CitusSendParams send = NULL;
+	bool		looked_up;
+	bool		loaded;			/* citus.so is loaded into this backend */
+	/* Use2PCForCoordinatedTransaction (transaction_management.c), if exported */
+	void		(*use_2pc) (void);
+	/* SendCommandToRemoteMetadataNodesParams (worker_transaction.c), if exported */
+	CitusSendParams send_params;
+	/* execute_command_on_remote_nodes_as_user(query text, username text) */
+	PGFunction	send_text;
+} CitusEntryPoints;
+
+static CitusEntryPoints citus_entry;
+
+/* Whether this transaction must commit its writes on other nodes with 2PC. */
+static bool shard_2pc_wanted = false;
+
+/*
+ * Look up citus.so's functions once per backend.  PostgreSQL loads
+ * libraries with RTLD_GLOBAL, and Citus is preloaded wherever it runs, so
+ * what citus.so exports is found by name; none of it is found without
+ * Citus.
+ */
+static CitusEntryPoints *
+shard_citus_entry_points(void)
+{
+	if (!citus_entry.looked_up)
+	{
+		citus_entry.use_2pc = (void (*) (void)) dlsym(RTLD_DEFAULT, "Use2PCForCoordinatedTransaction");
+		citus_entry.send_params = (CitusSendParams) dlsym(RTLD_DEFAULT, "SendCommandToRemoteMetadataNodesParams");
+		citus_entry.send_text = (PGFunction) dlsym(RTLD_DEFAULT, "execute_command_on_remote_nodes_as_user");
+		citus_entry.loaded = citus_entry.use_2pc != NULL || citus_entry.send_text != NULL;
+		citus_entry.looked_up = true;
+	}
+	return &citus_entry;
+}
+
+/*
+ * Check that the extension citus of this database is of a version whose
+ * functions the extension knows how to call (13.x), or fail with what
+ * (a verb phrase: "cannot be sent to the workers") cannot be done.
+ */
+static void
+shard_check_citus_version(const char *what)
+{
+	static bool checked = false;
 	char	   *version;
 
-	if (send != NULL)
-		return send;
+	bool		pushed = false;
+
+	if (checked)
+		return;
+	/* At pre-commit the statement's snapshot is gone. */
+	if (!ActiveSnapshotSet())
+	{
+		PushActiveSnapshot(GetTransactionSnapshot());
+		pushed = true;
+	}
 	if (SPI_connect() != SPI_OK_CONNECT)
 		elog(ERROR, "SPI_connect failed");
 	if (SPI_execute("SELECT extversion FROM pg_catalog.pg_extension"
@@ -641,18 +696,96 @@ shard_citus_send_function(void)
 	version = SPI_processed == 1 ?
 		pstrdup(SPI_getvalue(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 1)) : pstrdup("none");
 	SPI_finish();
+	if (pushed)
+		PopActiveSnapshot();
 	if (strncmp(version, "13.", 3) != 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
-				 errmsg("outbox destinations cannot be sent to the workers of Citus %s", version),
-				 errdetail("The extension sends them inside Citus's distributed transaction through a function of Citus 13.")));
-	send = (CitusSendParams) dlsym(RTLD_DEFAULT, "SendCommandToRemoteMetadataNodesParams");
-	if (send == NULL)
+				 errmsg("%s with Citus %s", what, version),
+				 errdetail("The extension works with the distributed transactions of Citus 13.")));
+	checked = true;
+}
+
+/* While shard_citus_send_text runs: the first error a node reported. */
+static ErrorData *shard_node_error = NULL;
+static emit_log_hook_type shard_prev_emit_log_hook = NULL;
+
+/*
+ * Keep the first warning that reports a node's error (Citus reports an
+ * error of a statement after the first of several as a warning, and fails
+ * the transaction only at its commit), instead of sending it to the client.
+ */
+static void
+shard_catch_node_error(ErrorData *edata)
+{
+	if (edata->elevel == WARNING && edata->context != NULL &&
+		strstr(edata->context, "while executing command on") != NULL)
+	{
+		if (shard_node_error == NULL)
+		{
+			MemoryContext oldcontext = MemoryContextSwitchTo(TopTransactionContext);
+
+			shard_node_error = palloc0(sizeof(ErrorData));
+			shard_node_error->sqlerrcode = edata->sqlerrcode;
+			shard_node_error->message = edata->message ? pstrdup(edata->message) : NULL;
+			shard_node_error->detail = edata->detail ? pstrdup(edata->detail) : NULL;
+			shard_node_error->hint = edata->hint ? pstrdup(edata->hint) : NULL;
+			shard_node_error->context = pstrdup(edata->context);
+			MemoryContextSwitchTo(oldcontext);
+		}
+		edata->output_to_client = false;
+	}
+	if (shard_prev_emit_log_hook)
+		shard_prev_emit_log_hook(edata);
+}
+
+/*
+ * Call Citus's execute_command_on_remote_nodes_as_user: command, as role
+ * user, on every other active primary node, inside the coordinated
+ * transaction, which it switches to two-phase commit.  It requires a
+ * superuser, for it can run anything as anyone: the extension calls it
+ * with its own commands only, as the bootstrap superuser for the time of
+ * the call, and the command runs on the nodes as user.  Citus sends the
+ * command between two others and reports a node's error of it as a
+ * warning: that becomes this call's error, with the node's SQLSTATE.
+ */
+static void
+shard_citus_send_text(const char *command, const char *user)
+{
+	PGFunction	send_text = shard_citus_entry_points()->send_text;
+	Oid			saved_userid;
+	int			saved_sec;
+	ErrorData  *node_error;
+
+	if (send_text == NULL)
 		ereport(ERROR,
 				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
-				 errmsg("outbox destinations cannot be sent to the workers of Citus %s", version),
-				 errdetail("citus.so does not export SendCommandToRemoteMetadataNodesParams.")));
-	return send;
+				 errmsg("citus.so does not export execute_command_on_remote_nodes_as_user"),
+				 errdetail("The extension reaches the other nodes of a Citus cluster through that function of Citus 13.")));
+	GetUserIdAndSecContext(&saved_userid, &saved_sec);
+	SetUserIdAndSecContext(BOOTSTRAP_SUPERUSERID, saved_sec | SECURITY_LOCAL_USERID_CHANGE);
+	shard_node_error = NULL;
+	shard_prev_emit_log_hook = emit_log_hook;
+	emit_log_hook = shard_catch_node_error;
+	PG_TRY();
+	{
+		DirectFunctionCall2(send_text, CStringGetTextDatum(command), CStringGetTextDatum(user));
+	}
+	PG_FINALLY();
+	{
+		emit_log_hook = shard_prev_emit_log_hook;
+		SetUserIdAndSecContext(saved_userid, saved_sec);
+	}
+	PG_END_TRY();
+	node_error = shard_node_error;
+	shard_node_error = NULL;
+	if (node_error != NULL)
+		ereport(ERROR,
+				(errcode(node_error->sqlerrcode),
+				 errmsg_internal("%s", node_error->message),
+				 node_error->detail ? errdetail_internal("%s", node_error->detail) : 0,
+				 node_error->hint ? errhint("%s", node_error->hint) : 0,
+				 errcontext("%s", node_error->context)));
 }
 
 /*
@@ -668,7 +801,13 @@ shard_check_workers(void)
 	int64		without;
 	bool		isnull;
 
-	(void) shard_citus_send_function();
+	shard_check_citus_version("outbox destinations cannot be sent to the workers");
+	if (shard_citus_entry_points()->send_params == NULL &&
+		shard_citus_entry_points()->send_text == NULL)
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("outbox destinations cannot be sent to the workers"),
+				 errdetail("citus.so exports neither SendCommandToRemoteMetadataNodesParams nor execute_command_on_remote_nodes_as_user.")));
 	if (SPI_connect() != SPI_OK_CONNECT)
 		elog(ERROR, "SPI_connect failed");
 	if (SPI_execute("SELECT count(*) FROM pg_catalog.pg_dist_node n"
@@ -690,76 +829,177 @@ shard_check_workers(void)
 }
 
 /*
+ * command with its parameters ($1, $2, ...) replaced by the values as
+ * quoted literals, for a Citus that takes no parameters.  Only a $ that
+ * follows no identifier character is a parameter.
+ */
+static char *
+shard_inline_params(const char *command, int nparams, const char *const *values)
+{
+	StringInfoData buf;
+	const char *p = command;
+
+	initStringInfo(&buf);
+	while (*p)
+	{
+		if (*p == '$' && isdigit((unsigned char) p[1]) &&
+			(p == command || !(isalnum((unsigned char) p[-1]) || p[-1] == '_' || p[-1] == '$')))
+		{
+			char	   *end;
+			long		n = strtol(p + 1, &end, 10);
+
+			if (n < 1 || n > nparams)
+				elog(ERROR, "parameter $%ld of a command for the workers has no value", n);
+			appendStringInfoString(&buf, quote_literal_cstr(values[n - 1]));
+			p = end;
+		}
+		else
+			appendStringInfoChar(&buf, *p++);
+	}
+	return buf.data;
+}
+
+/*
  * Run command, whose nparams parameters ($1, $2, ...) are the texts values,
  * on every other active node of the Citus cluster as role user, inside this
  * transaction: Citus commits it there with two-phase commit when this
  * transaction commits, and never when it aborts (its recovery resolves the
  * prepared transactions of a crash), so every node applies it or none
- * does.  The values travel as parameters: the workers'
- * logs and pg_stat_activity show only the command.  A worker that is down,
- * or that fails the command, fails it here with the worker's error.
+ * does.  Where citus.so exports the function for it (Citus built for
+ * PostgreSQL 15), the values travel as parameters, and the workers' logs
+ * and pg_stat_activity show only the command; elsewhere they are part of
+ * the command's text.  A worker that is down, or that fails the command,
+ * fails it here with the worker's error.
  */
 void
 shard_run_on_workers(const char *command, int nparams, const char *const *values,
 					 const char *user)
 {
-	CitusSendParams send = shard_citus_send_function();
-	Oid		   *types = palloc(sizeof(Oid) * Max(nparams, 1));
+	CitusEntryPoints *citus = shard_citus_entry_points();
 
-	for (int i = 0; i < nparams; i++)
-		types[i] = TEXTOID;
-	send(command, user, nparams, types, values);
-	pfree(types);
+	if (citus->send_params != NULL)
+	{
+		Oid		   *types = palloc(sizeof(Oid) * Max(nparams, 1));
+
+		for (int i = 0; i < nparams; i++)
+			types[i] = TEXTOID;
+		citus->send_params(command, user, nparams, types, values);
+		pfree(types);
+	}
+	else
+		shard_citus_send_text(shard_inline_params(command, nparams, values), user);
 }
 
 /*
- * Make Citus commit this transaction's writes on other nodes with two-phase
- * commit, if Citus is loaded (it is preloaded wherever it runs).  Citus
- * commits a transaction that changed a single other node with a one-phase
- * COMMIT of that node, first, in its pre-commit step: it does not see what
- * this node wrote to plain tables or straight to the heap (the extension's
- * events).  A crash of this node, or an error of its own commit after that
- * step (a serialization failure of SERIALIZABLE, say), would then keep the
- * other node's writes without this node's: an order and its record on a
- * worker without the event published here.  With two-phase commit the other
- * node only prepares, and Citus's recovery resolves its prepared
- * transaction as this node's commit went.  A no-op outside a Citus
- * distributed transaction, and when it wrote on no other node.  (The other
- * node cannot prepare a transaction that used NOTIFY or temporary objects:
- * the commit then fails.)
+ * Note that this transaction's writes on other nodes must commit with
+ * two-phase commit (see shard_force_2pc), and where Citus exports the way
+ * to say so, say so now.
  */
 void
 shard_commit_with_2pc(void)
 {
-	static bool looked_up = false;
-	static void (*use_2pc) (void) = NULL;
+	CitusEntryPoints *citus = shard_citus_entry_points();
 
-	if (!looked_up)
-	{
-		/* Exported by citus.so, which is loaded into every backend when preloaded. */
-		use_2pc = (void (*) (void)) dlsym(RTLD_DEFAULT, "Use2PCForCoordinatedTransaction");
-		looked_up = true;
-	}
-	if (use_2pc != NULL)
-		use_2pc();
+	if (!citus->loaded)
+		return;
+	shard_2pc_wanted = true;
+	if (citus->use_2pc != NULL)
+		citus->use_2pc();
+}
+
+/*
+ * Whether this node is the coordinator and began a Citus coordinated
+ * transaction that is in progress: the distributed transaction id that
+ * Citus assigns when it does (get_current_transaction_id) names the
+ * coordinator as its initiator.  (On a worker, Citus also begins one for
+ * a delegated call that touches its local shards only; there is no way to
+ * tell one that reached other nodes.)
+ */
+static bool
+shard_coordinating_here(void)
+{
+	Oid			fn;
+	HeapTupleHeader id;
+	bool		isnull;
+	int32		initiator;
+	int64		number;
+
+	if (shard_local_group() != 0)
+		return false;
+
+	fn = LookupFuncName(list_make2(makeString("pg_catalog"), makeString("get_current_transaction_id")),
+						0, NULL, true);
+	if (!OidIsValid(fn))
+		return false;
+	id = DatumGetHeapTupleHeader(OidFunctionCall0(fn));
+	initiator = DatumGetInt32(GetAttributeByNum(id, 3, &isnull));
+	number = DatumGetInt64(GetAttributeByNum(id, 4, &isnull));
+	return number != 0 && initiator == 0;
+}
+
+/*
+ * Make Citus commit this transaction's writes on other nodes with two-phase
+ * commit.  Citus commits a transaction that changed a single other node
+ * with a one-phase COMMIT of that node, first, in its pre-commit step: it
+ * does not see what this node wrote to plain tables or straight to the heap
+ * (the extension's events).  A crash of this node, or an error of its own
+ * commit after that step (a serialization failure of SERIALIZABLE, say),
+ * would then keep the other node's writes without this node's: an order
+ * and its record on a worker without the event published here.  With
+ * two-phase commit the other node only prepares, and Citus's recovery
+ * resolves its prepared transaction as this node's commit went.  (The
+ * other node cannot prepare a transaction that used NOTIFY or temporary
+ * objects: the commit then fails.)
+ *
+ * Where citus.so exports Use2PCForCoordinatedTransaction, it was called
+ * already.  Elsewhere, if this node coordinates a distributed transaction,
+ * an empty statement goes to every other node inside it, which switches it
+ * to two-phase commit: every worker then prepares, also one the
+ * transaction did not write on, and all must be up.
+ */
+static void
+shard_force_2pc(void)
+{
+	CitusEntryPoints *citus = shard_citus_entry_points();
+
+	if (!citus->loaded || citus->use_2pc != NULL || !shard_coordinating_here())
+		return;
+	shard_check_citus_version("this transaction cannot commit on the other nodes with two-phase commit");
+	shard_citus_send_text("SELECT", GetUserNameFromId(GetUserId(), false));
 }
 
 /*
  * At pre-commit, before Citus's own pre-commit step (Citus is loaded first,
- * and a callback registered later runs earlier): with
- * idempotency.citus_atomic_local_writes, a transaction that wrote on this
- * node (a plain table of the coordinator next to delegated claims, say)
- * commits its writes on other nodes with two-phase commit.  Not by default:
- * it would also make every such transaction of the database that used
- * NOTIFY or temporary objects on a worker fail at commit.
+ * and a callback registered later runs earlier): a transaction that
+ * published an event on this node, or with
+ * idempotency.citus_atomic_local_writes wrote on it (a plain table of the
+ * coordinator next to delegated claims, say), commits its writes on other
+ * nodes with two-phase commit.  The latter not by default: it would also
+ * make every such transaction of the database that used NOTIFY or temporary
+ * objects on a worker fail at commit.
  */
 static void
 shard_xact_callback(XactEvent event, void *arg)
 {
-	if (shard_atomic_local_writes &&
-		(event == XACT_EVENT_PRE_COMMIT || event == XACT_EVENT_PARALLEL_PRE_COMMIT) &&
-		TransactionIdIsValid(GetTopTransactionIdIfAny()))
-		shard_commit_with_2pc();
+	switch (event)
+	{
+		case XACT_EVENT_PRE_COMMIT:
+		case XACT_EVENT_PARALLEL_PRE_COMMIT:
+			if (shard_atomic_local_writes && TransactionIdIsValid(GetTopTransactionIdIfAny()))
+				shard_commit_with_2pc();
+			if (shard_2pc_wanted)
+				shard_force_2pc();
+			break;
+		case XACT_EVENT_COMMIT:
+		case XACT_EVENT_PARALLEL_COMMIT:
+		case XACT_EVENT_ABORT:
+		case XACT_EVENT_PARALLEL_ABORT:
+		case XACT_EVENT_PREPARE:
+			shard_2pc_wanted = false;
+			break;
+		default:
+			break;
+	}
 }
 
 /*

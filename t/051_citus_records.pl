@@ -1369,9 +1369,10 @@ sub unplant_function
 	is( join(' ', map { on($_, $states) } $cluster->nodes),
 		'held/0 held/0 held/0', '18j: after the coordinator\'s crash and recovery, every node has the dropped one and none the created one');
 
-	# k.  The definition, secrets included, is no part of the statement's
-	# text: a worker that refuses it logs the statement with its error,
-	# and no secret.
+	# k.  A worker that refuses a definition logs its error, and no secret:
+	# where Citus takes parameters (built for PostgreSQL 15) the definition
+	# is one, elsewhere it is part of the statement's text, which the
+	# worker's idem_destination_sync keeps out of the log of its error.
 	on($w1, q{SELECT idem_destination_create('secretive', 'notify', 'w1_secretive', '{w1.*}')});
 	# Not every statement logged with its parameters, as the tests' clusters
 	# do: PostgreSQL's default, which logs only statements that fail.
@@ -1383,8 +1384,9 @@ sub unplant_function
 		qr/ERROR:  sending outbox destination "secretive" to the Citus workers failed/,
 		'18k: a worker refuses an http destination whose name it uses for its own');
 	my $w1_log = substr(slurp_file($w1->logfile), $log_offset);
-	like($w1_log, qr/STATEMENT:  SELECT pg_catalog\.concat\(.*idem_destination_sync\(\$1, \$2/,
-		'18k: the worker logged the statement');
+	like($w1_log, qr/ERROR:  destination "secretive" on this node is a notify destination to w1_secretive, not a http destination/,
+		'18k: the worker logged its error');
+	unlike($w1_log, qr/STATEMENT:  .*idem_destination_sync/, '18k: but not the statement');
 	unlike($w1_log, qr/MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw/, '18k: and not the secret');
 	on($w1, q{ALTER SYSTEM RESET log_statement; SELECT pg_reload_conf();});
 

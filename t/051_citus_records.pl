@@ -695,7 +695,10 @@ sub notify_gate
 	my $gate = $coord->background_psql($cluster->dbname, on_error_stop => 0);
 	$gate->query_safe('SET synchronous_commit = on');
 	$gate->query_safe('BEGIN');
-	$gate->query_safe(q{SELECT pg_notify('gate', '')});
+	# A commit waits for the standby only if its transaction wrote WAL
+	# before its commit record, and a NOTIFY writes none (on PostgreSQL 17
+	# such a commit returned at once): a transactional logical message does.
+	$gate->query_safe(q{SELECT pg_notify('gate', ''), pg_logical_emit_message(true, 'gate', '')});
 	$gate->query_until(qr/committing\n/, "\\echo committing\nCOMMIT;\n");
 	ok( $coord->poll_query_until($cluster->dbname, q{
 			SELECT count(*) = 1 FROM pg_stat_activity WHERE wait_event = 'SyncRep'}),

@@ -140,3 +140,18 @@ idem_root_copy_source() {
 		tar --null --ignore-failed-read -T - -cf - 2>/dev/null) |
 		tar -C "$r/work/idempotency" -xf -
 }
+
+# Copy the Citus source tarball's directory (IDEM_CITUS_DIR, see
+# scripts/citus.sh) into the root at /work/shared/third_party/citus, where
+# scripts/citus.sh looks for it by default: nothing can be downloaded in a
+# root either.  A copy (8 MB), afresh each time, rather than a bind mount:
+# nothing then stays mounted in the root, and the root cannot change the
+# original.  When it is missing, so is the copy, and citus.sh says so.
+idem_root_copy_citus() {
+	local r=$1 src=${IDEM_CITUS_DIR:-/work/shared/third_party/citus}
+	local dst=$r/work/shared/third_party/citus
+	rm -rf "$dst"
+	[ -d "$src" ] || return 0
+	mkdir -p "$(dirname "$dst")"
+	cp -a "$src" "$dst"
+}

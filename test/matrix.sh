@@ -4,9 +4,12 @@
 #   15  on the host (Debian 12), with the sanitizer run and the Node.js
 #       package's tests; then the Debian
 #       package built on the host (test/deb.sh host);
-#   17  in a Debian 13 "trixie" root, from source as the README says, then
-#       as installed from the Debian package built there (test/deb.sh);
-#   18  in a Debian "sid" root, from source.
+#   17  in a Debian 13 "trixie" root, from source as the README says, the
+#       Citus tests included (scripts/citus.sh builds Citus there, as on
+#       the host), then as installed from the Debian package built there
+#       (test/deb.sh);
+#   18  in a Debian "sid" root, from source (no Citus: 13.2 does not
+#       support PostgreSQL 18).
 # Roots come from scripts/debroot.sh (made from nothing or reused from
 # /var/cache/idem-roots).  Ends with the line
 #   N passed, N failed (PostgreSQL 15: p/f, 17: p/f, ...)
@@ -45,14 +48,19 @@ tally() {
 	printf '== %s: %s passed, %s failed (%s s)\n' "$name" "$p" "$f" "$SECONDS"
 }
 
-# The suite from source in a root of a Debian suite.
+# The suite from source in a root of a Debian suite; citus (1 or 0) says
+# whether the Citus tests run there.  With 1 the Citus tarball is copied in
+# and scripts/citus.sh builds Citus in the root, into the root's own
+# /var/cache/idem-citus: the root is kept between runs (debroot.sh), so the
+# build is made once per root and PostgreSQL minor version.
 run_in_root() {
-	local suite=$1 name=$2 log=$3 r
+	local suite=$1 name=$2 log=$3 citus=$4 r
 	idem_root_lock "$suite"
 	r=$(idem_root_prepare "$suite") || { echo "0 passed, 1 failed" >"$log"; idem_root_unlock; return; }
 	trap 'idem_root_umount "$r"' EXIT
 	idem_root_copy_source "$r" "$top"
-	idem_root_run "$r" env IDEM_SANITIZE=0 IDEM_NODE=0 IDEM_CITUS=0 bash -c 'cd /work/idempotency && bash test/run.sh' >"$log" 2>&1
+	[ "$citus" = 1 ] && idem_root_copy_citus "$r"
+	idem_root_run "$r" env IDEM_SANITIZE=0 IDEM_NODE=0 IDEM_CITUS="$citus" bash -c 'cd /work/idempotency && bash test/run.sh' >"$log" 2>&1
 	rm -rf "$logs/$name-results"
 	cp -r "$r/work/idempotency/test/results" "$logs/$name-results" 2>/dev/null
 	idem_root_umount "$r"
@@ -66,9 +74,9 @@ for entry in $entries; do
 	case $entry in
 	15) bash test/run.sh >"$log" 2>&1 ;;
 	15-deb) bash test/deb.sh host >"$log" 2>&1 ;;
-	17) run_in_root trixie "$entry" "$log" ;;
+	17) run_in_root trixie "$entry" "$log" 1 ;;
 	17-deb) bash test/deb.sh trixie >"$log" 2>&1 ;;
-	18) run_in_root sid "$entry" "$log" ;;
+	18) run_in_root sid "$entry" "$log" 0 ;;
 	*)
 		echo "unknown matrix entry $entry" >"$log"
 		;;

@@ -22,7 +22,8 @@
  * has a transaction's destination changes or none has, also through a
  * crash of the coordinator, and a worker that fails (down, or refusing the
  * definition) fails the coordinator's commit, with its error.  The
- * definitions travel as parameters of the statement, not in its text.  The
+ * definitions travel as parameters of the statement where Citus takes
+ * them, quoted into its text elsewhere (see shard_run_on_workers).  The
  * workers apply it as the extension's owner: the command's privileges are
  * checked on the coordinator, and each node makes the destination as the
  * role that made it on the coordinator, which a function destination's
@@ -283,8 +284,8 @@ dest_sync_run(const char *calls, int nvalues, const char **values,
  * Send the noted destinations to every worker, as the extension's owner,
  * before this coordinator commits, inside its distributed transaction
  * (shard_run_on_workers): every worker commits them when this node
- * commits, or none does.  The definitions, secrets included, travel as
- * parameters of the statement.
+ * commits, or none does.  The definitions, secrets included, are
+ * parameters of the statement (see shard_run_on_workers).
  */
 static void
 dest_sync_send(void)
@@ -728,7 +729,8 @@ PG_FUNCTION_INFO_V1(idem_destination_sync);
  * is not a copy is refused); resumed clears what this node's relay learned
  * about the endpoint.  A definition marked dropped drops the copy, and
  * leaves a destination of this node's own alone.  NULL drops whatever
- * destination name is (a superuser's own call).
+ * destination name is (a superuser's own call).  For the rest of its
+ * transaction, an error does not log its statement.
  */
 Datum
 idem_destination_sync(PG_FUNCTION_ARGS)

@@ -620,11 +620,11 @@ shard_citus_coordinator(void)
  * them.  Two are internal: Citus built for PostgreSQL 15 exports them, but
  * from PostgreSQL 16 on extensions are built with hidden symbols, and only
  * Citus's SQL-callable functions are found.  For those builds one such
- * function, execute_command_on_remote_nodes_as_user (which Citus itself
- * calls through SQL from other databases, see its
- * non_main_db_distribute_object_ops.c), does what the two do: it sends a
- * command to every other node inside the coordinated transaction, which it
- * switches to two-phase commit.
+ * function, execute_command_on_remote_nodes_as_user (which Citus 13 builds
+ * but declares in no SQL script), does what the two do: it sends a command
+ * to every other node inside the coordinated transaction, which it
+ * switches to two-phase commit.  get_current_transaction_id, declared in
+ * SQL since Citus 8, tells that citus.so is loaded.
  */
 typedef void (*CitusSendParams) (const char *command, const char *user,
 								 int parameterCount, const Oid *parameterTypes,
@@ -661,7 +661,7 @@ shard_citus_entry_points(void)
 		citus_entry.use_2pc = (void (*) (void)) dlsym(RTLD_DEFAULT, "Use2PCForCoordinatedTransaction");
 		citus_entry.send_params = (CitusSendParams) dlsym(RTLD_DEFAULT, "SendCommandToRemoteMetadataNodesParams");
 		citus_entry.send_text = (PGFunction) dlsym(RTLD_DEFAULT, "execute_command_on_remote_nodes_as_user");
-		citus_entry.loaded = citus_entry.use_2pc != NULL || citus_entry.send_text != NULL;
+		citus_entry.loaded = dlsym(RTLD_DEFAULT, "get_current_transaction_id") != NULL;
 		citus_entry.looked_up = true;
 	}
 	return &citus_entry;
@@ -713,7 +713,8 @@ static emit_log_hook_type shard_prev_emit_log_hook = NULL;
 /*
  * Keep the first warning that reports a node's error (Citus reports an
  * error of a statement after the first of several as a warning, and fails
- * the transaction only at its commit), instead of sending it to the client.
+ * the transaction only at its commit), instead of reporting it: it becomes
+ * an error.
  */
 static void
 shard_catch_node_error(ErrorData *edata)
@@ -734,6 +735,7 @@ shard_catch_node_error(ErrorData *edata)
 			MemoryContextSwitchTo(oldcontext);
 		}
 		edata->output_to_client = false;
+		edata->output_to_server = false;
 	}
 	if (shard_prev_emit_log_hook)
 		shard_prev_emit_log_hook(edata);
@@ -747,7 +749,11 @@ shard_catch_node_error(ErrorData *edata)
  * with its own commands only, as the bootstrap superuser for the time of
  * the call, and the command runs on the nodes as user.  Citus sends the
  * command between two others and reports a node's error of it as a
- * warning: that becomes this call's error, with the node's SQLSTATE.
+ * warning: that becomes this call's error, with the node's SQLSTATE.  For
+ * the time of the call, warnings are reported (so that the hook sees
+ * them) and Citus does not echo the command to the client
+ * (citus.log_remote_commands, which any role may set): it may hold
+ * secrets that the caller is not allowed to read.
  */
 static void
 shard_citus_send_text(const char *command, const char *user)
@@ -755,6 +761,7 @@ shard_citus_send_text(const char *command, const char *user)
 	PGFunction	send_text = shard_citus_entry_points()->send_text;
 	Oid			saved_userid;
 	int			saved_sec;
+	int			gucs;
 	ErrorData  *node_error;
 
 	if (send_text == NULL)
@@ -762,6 +769,13 @@ shard_citus_send_text(const char *command, const char *user)
 				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
 				 errmsg("citus.so does not export execute_command_on_remote_nodes_as_user"),
 				 errdetail("The extension reaches the other nodes of a Citus cluster through that function of Citus 13.")));
+	gucs = NewGUCNestLevel();
+	(void) set_config_option("citus.log_remote_commands", "off", PGC_SUSET, PGC_S_SESSION,
+							 GUC_ACTION_SAVE, true, 0, false);
+	(void) set_config_option("client_min_messages", "warning", PGC_SUSET, PGC_S_SESSION,
+							 GUC_ACTION_SAVE, true, 0, false);
+	(void) set_config_option("log_min_messages", "warning", PGC_SUSET, PGC_S_SESSION,
+							 GUC_ACTION_SAVE, true, 0, false);
 	GetUserIdAndSecContext(&saved_userid, &saved_sec);
 	SetUserIdAndSecContext(BOOTSTRAP_SUPERUSERID, saved_sec | SECURITY_LOCAL_USERID_CHANGE);
 	shard_node_error = NULL;
@@ -775,6 +789,7 @@ shard_citus_send_text(const char *command, const char *user)
 	{
 		emit_log_hook = shard_prev_emit_log_hook;
 		SetUserIdAndSecContext(saved_userid, saved_sec);
+		AtEOXact_GUC(true, gucs);
 	}
 	PG_END_TRY();
 	node_error = shard_node_error;
@@ -830,8 +845,9 @@ shard_check_workers(void)
 
 /*
  * command with its parameters ($1, $2, ...) replaced by the values as
- * quoted literals, for a Citus that takes no parameters.  Only a $ that
- * follows no identifier character is a parameter.
+ * quoted literals, for a Citus that takes no parameters.  Only a $ outside
+ * quotes ('...', "...") that follows no identifier character is a
+ * parameter; the command is the extension's own, with no dollar quotes.
  */
 static char *
 shard_inline_params(const char *command, int nparams, const char *const *values)
@@ -842,7 +858,22 @@ shard_inline_params(const char *command, int nparams, const char *const *values)
 	initStringInfo(&buf);
 	while (*p)
 	{
-		if (*p == '$' && isdigit((unsigned char) p[1]) &&
+		if (*p == '\'' || *p == '"')
+		{
+			/* Copy the quoted text whole; a doubled quote stays inside. */
+			char		quote = *p;
+
+			appendStringInfoChar(&buf, *p++);
+			while (*p && (*p != quote || p[1] == quote))
+			{
+				if (*p == quote)
+					appendStringInfoChar(&buf, *p++);
+				appendStringInfoChar(&buf, *p++);
+			}
+			if (*p)
+				appendStringInfoChar(&buf, *p++);
+		}
+		else if (*p == '$' && isdigit((unsigned char) p[1]) &&
 			(p == command || !(isalnum((unsigned char) p[-1]) || p[-1] == '_' || p[-1] == '$')))
 		{
 			char	   *end;
@@ -965,6 +996,12 @@ shard_force_2pc(void)
 	if (!citus->loaded || citus->use_2pc != NULL || !shard_coordinating_here())
 		return;
 	shard_check_citus_version("this transaction cannot commit on the other nodes with two-phase commit");
+	if (citus->send_text == NULL)
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("this transaction cannot commit on the other nodes with two-phase commit"),
+				 errdetail("citus.so exports neither Use2PCForCoordinatedTransaction nor execute_command_on_remote_nodes_as_user."),
+				 errhint("Publish the event inside the delegated call, on the worker.")));
 	shard_citus_send_text("SELECT", GetUserNameFromId(GetUserId(), false));
 }
 
@@ -984,7 +1021,7 @@ shard_xact_callback(XactEvent event, void *arg)
 	switch (event)
 	{
 		case XACT_EVENT_PRE_COMMIT:
-		case XACT_EVENT_PARALLEL_PRE_COMMIT:
+			/* (a parallel worker's commit is its leader's business) */
 			if (shard_atomic_local_writes && TransactionIdIsValid(GetTopTransactionIdIfAny()))
 				shard_commit_with_2pc();
 			if (shard_2pc_wanted)

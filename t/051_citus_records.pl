@@ -67,7 +67,8 @@
 #     others, a coordinator crash after the pre-commit step leaves nothing,
 #     and a worker's cleanup and relay go on while it holds a drop prepared;
 #     a worker without Citus's metadata makes destination commands fail;
-#     secrets are no part of the statements' text on the workers.
+#     secrets reach neither a worker's log nor, through Citus's echo of
+#     its commands, a role that may not read them.
 #
 # Skipped when Citus is not installed.
 use strict;
@@ -827,6 +828,21 @@ sub crash_coordinator
 		"12: after the coordinator's crash the order, its record and the ledger row all exist or none (order record ledger: $state)");
 	is(on($holder, q{SELECT count(*) FROM pg_prepared_xacts}), '0',
 		'12: Citus\'s recovery resolved the worker\'s prepared part');
+
+	# A parallel query after such a write: its parallel workers, which see
+	# the leader's transaction, leave the commit to the leader.
+	my $force_parallel = coord(q{SELECT current_setting('server_version_num')::int >= 160000})
+	  eq 't' ? 'debug_parallel_query' : 'force_parallel_mode';
+	like(coord_try(qq{BEGIN;
+			SET LOCAL idempotency.citus_atomic_local_writes = on;
+			SELECT place_order($A, 'lg2', 81);
+			INSERT INTO ledger VALUES ('lg2');
+			SET LOCAL $force_parallel = on;
+			EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY OFF) SELECT count(*) FROM ledger;
+			COMMIT;
+			SELECT 'ledger ' || count(*) FROM ledger WHERE key = 'lg2';}),
+		qr/Workers Launched: [1-9].*^ledger 1$/ms,
+		'12: a parallel query after the coordinator\'s write, then the commit, works');
 	coord(q{DROP TABLE ledger});
 }
 
@@ -1400,11 +1416,26 @@ sub unplant_function
 	is( join(' ', map { on($_, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'nometa'}) } $cluster->nodes),
 		'0 0 0', '18l: and no node has the destination');
 
+	# m.  Citus echoes the commands it sends to the client when
+	# citus.log_remote_commands is on, which any role may set: an operator
+	# granted only the pause, who cannot read the destination's secrets,
+	# does not see them so.
+	coord(q{SELECT idem_destination_create('echoed', 'http', 'https://partner.example/hooks',
+			topics => '{echo.*}', options => '{"secret": "whsec_EchoEchoEchoEchoEcho0123"}')});
+	my ($echo_out, $echo_err) = ('', '');
+	$coord->psql($cluster->dbname, q{SET ROLE ops; SET citus.log_remote_commands = on;
+			SELECT idem_destination_pause('echoed');},
+		stdout => \$echo_out, stderr => \$echo_err, on_error_stop => 1);
+	like($echo_err, qr/NOTICE:  issuing /, '18m: Citus echoes its commands to the operator');
+	unlike($echo_err, qr/whsec_Echo/, '18m: but not the secret');
+	is( join(' ', map { on($_, q{SELECT paused FROM idem_destinations WHERE name = 'echoed'}) } $cluster->nodes),
+		't t t', '18m: the operator\'s pause reached every node');
+
 	for my $node ($cluster->nodes)
 	{
 		on($node, q{SET citus.enable_ddl_propagation = off;
 			SELECT idem_destination_drop(name) FROM idem_destinations
-			 WHERE name IN ('w1note', 'kept', 'plant4', 'learned', 'secretive', 'held', 'flowing')});
+			 WHERE name IN ('w1note', 'kept', 'plant4', 'learned', 'secretive', 'held', 'flowing', 'echoed')});
 	}
 }
 

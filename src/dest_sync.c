@@ -49,6 +49,7 @@
 #include "lib/stringinfo.h"
 #include "miscadmin.h"
 #include "utils/acl.h"
+#include "utils/backend_status.h"
 #include "utils/array.h"
 #include "utils/builtins.h"
 #include "utils/fmgroids.h"
@@ -757,10 +758,13 @@ idem_destination_sync(PG_FUNCTION_ARGS)
 	/*
 	 * The definition, secrets included, is part of the statement's text
 	 * where Citus takes no parameters (built for PostgreSQL 16 and later):
-	 * an error of this transaction does not log the statement.
+	 * an error of this transaction does not log the statement, and
+	 * pg_stat_activity (and with it a deadlock's report and the log line
+	 * of a backend's crash) shows another text.
 	 */
 	(void) set_config_option("log_min_error_statement", "panic", PGC_SUSET, PGC_S_SESSION,
 							 GUC_ACTION_LOCAL, true, 0, false);
+	pgstat_report_activity(STATE_RUNNING, "SELECT idem_destination_sync(...) -- the definition is not shown");
 	values[0] = PointerGetDatum(name);
 	dest_sync_read_here(name, &here);
 

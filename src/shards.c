@@ -647,6 +647,9 @@ static CitusEntryPoints citus_entry;
 /* Whether this transaction must commit its writes on other nodes with 2PC. */
 static bool shard_2pc_wanted = false;
 
+/* Whether shard_citus_send_text sent something in this transaction (so: 2PC). */
+static bool shard_sent_text = false;
+
 /*
  * Look up citus.so's functions once per backend.  PostgreSQL loads
  * libraries with RTLD_GLOBAL, and Citus is preloaded wherever it runs, so
@@ -785,13 +788,27 @@ shard_citus_send_text(const char *command, const char *user)
 	{
 		DirectFunctionCall2(send_text, CStringGetTextDatum(command), CStringGetTextDatum(user));
 	}
-	PG_FINALLY();
+	PG_CATCH();
 	{
 		emit_log_hook = shard_prev_emit_log_hook;
 		SetUserIdAndSecContext(saved_userid, saved_sec);
 		AtEOXact_GUC(true, gucs);
+		/* A node's error caught before another node failed the call. */
+		if (shard_node_error != NULL)
+			ereport(WARNING,
+					(errcode(shard_node_error->sqlerrcode),
+					 errmsg_internal("%s", shard_node_error->message),
+					 shard_node_error->detail ? errdetail_internal("%s", shard_node_error->detail) : 0,
+					 shard_node_error->hint ? errhint("%s", shard_node_error->hint) : 0,
+					 errcontext("%s", shard_node_error->context)));
+		shard_node_error = NULL;
+		PG_RE_THROW();
 	}
 	PG_END_TRY();
+	emit_log_hook = shard_prev_emit_log_hook;
+	SetUserIdAndSecContext(saved_userid, saved_sec);
+	AtEOXact_GUC(true, gucs);
+	shard_sent_text = true;
 	node_error = shard_node_error;
 	shard_node_error = NULL;
 	if (node_error != NULL)
@@ -955,7 +972,12 @@ shard_coordinating_here(void)
 	int32		initiator;
 	int64		number;
 
-	if (shard_local_group() != 0)
+	/* A worker's group, once it has one, stays: read it once. */
+	static int32 group = 0;
+
+	if (group == 0)
+		group = shard_local_group();
+	if (group != 0)
 		return false;
 
 	fn = LookupFuncName(list_make2(makeString("pg_catalog"), makeString("get_current_transaction_id")),
@@ -993,7 +1015,7 @@ shard_force_2pc(void)
 {
 	CitusEntryPoints *citus = shard_citus_entry_points();
 
-	if (!citus->loaded || citus->use_2pc != NULL || !shard_coordinating_here())
+	if (!citus->loaded || citus->use_2pc != NULL || shard_sent_text || !shard_coordinating_here())
 		return;
 	shard_check_citus_version("this transaction cannot commit on the other nodes with two-phase commit");
 	if (citus->send_text == NULL)
@@ -1033,6 +1055,7 @@ shard_xact_callback(XactEvent event, void *arg)
 		case XACT_EVENT_PARALLEL_ABORT:
 		case XACT_EVENT_PREPARE:
 			shard_2pc_wanted = false;
+			shard_sent_text = false;
 			break;
 		default:
 			break;

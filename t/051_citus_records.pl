@@ -67,8 +67,8 @@
 #     others, a coordinator crash after the pre-commit step leaves nothing,
 #     and a worker's cleanup and relay go on while it holds a drop prepared;
 #     a worker without Citus's metadata makes destination commands fail;
-#     secrets reach neither a worker's log nor, through Citus's echo of
-#     its commands, a role that may not read them.
+#     secrets reach neither a worker's log or pg_stat_activity nor,
+#     through Citus's echo of its commands, a role that may not read them.
 #
 # Skipped when Citus is not installed.
 use strict;
@@ -1431,11 +1431,31 @@ sub unplant_function
 	is( join(' ', map { on($_, q{SELECT paused FROM idem_destinations WHERE name = 'echoed'}) } $cluster->nodes),
 		't t t', '18m: the operator\'s pause reached every node');
 
+	# n.  Nor does the worker's pg_stat_activity while it applies one
+	# (whose query a deadlock's report or a crashed backend's log line
+	# would show): here the worker's sync waits for a lock on the row.
+	coord(q{SELECT idem_destination_create('watched', 'http', 'https://partner.example/watched',
+			topics => '{watch.*}', options => '{"secret": "whsec_WatchWatchWatchWatch0123"}')});
+	my $row_lock = $w1->background_psql($cluster->dbname);
+	$row_lock->query_safe(q{BEGIN; SELECT 1 FROM idempotency.destinations WHERE name = 'watched' FOR UPDATE});
+	my $pauser = $coord->background_psql($cluster->dbname, on_error_stop => 0);
+	$pauser->query_until(qr/sent\n/, "\\echo sent\nSELECT idem_destination_pause('watched');\n");
+	ok( poll_true($w1, q{SELECT count(*) = 1 FROM pg_stat_activity
+			WHERE wait_event_type = 'Lock' AND query LIKE '%idem_destination_sync%'}),
+		'18n: the worker\'s sync waits for the row');
+	unlike(on($w1, q{SELECT string_agg(query, ' ') FROM pg_stat_activity WHERE wait_event_type = 'Lock'}),
+		qr/whsec_Watch/, '18n: its pg_stat_activity shows no secret');
+	$row_lock->query_safe('COMMIT');
+	$row_lock->quit;
+	$pauser->quit;
+	is( join(' ', map { on($_, q{SELECT paused FROM idem_destinations WHERE name = 'watched'}) } $cluster->nodes),
+		't t t', '18n: then the pause reached every node');
+
 	for my $node ($cluster->nodes)
 	{
 		on($node, q{SET citus.enable_ddl_propagation = off;
 			SELECT idem_destination_drop(name) FROM idem_destinations
-			 WHERE name IN ('w1note', 'kept', 'plant4', 'learned', 'secretive', 'held', 'flowing', 'echoed')});
+			 WHERE name IN ('w1note', 'kept', 'plant4', 'learned', 'secretive', 'held', 'flowing', 'echoed', 'watched')});
 	}
 }
 

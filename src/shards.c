@@ -744,6 +744,22 @@ shard_catch_node_error(ErrorData *edata)
 		shard_prev_emit_log_hook(edata);
 }
 
+/* Report the node's error that shard_catch_node_error kept, if any, at elevel. */
+static void
+shard_report_node_error(int elevel)
+{
+	ErrorData  *node_error = shard_node_error;
+
+	shard_node_error = NULL;
+	if (node_error != NULL)
+		ereport(elevel,
+				(errcode(node_error->sqlerrcode),
+				 errmsg_internal("%s", node_error->message),
+				 node_error->detail ? errdetail_internal("%s", node_error->detail) : 0,
+				 node_error->hint ? errhint("%s", node_error->hint) : 0,
+				 errcontext("%s", node_error->context)));
+}
+
 /*
  * Call Citus's execute_command_on_remote_nodes_as_user: command, as role
  * user, on every other active primary node, inside the coordinated
@@ -765,7 +781,6 @@ shard_citus_send_text(const char *command, const char *user)
 	Oid			saved_userid;
 	int			saved_sec;
 	int			gucs;
-	ErrorData  *node_error;
 
 	if (send_text == NULL)
 		ereport(ERROR,
@@ -794,14 +809,7 @@ shard_citus_send_text(const char *command, const char *user)
 		SetUserIdAndSecContext(saved_userid, saved_sec);
 		AtEOXact_GUC(true, gucs);
 		/* A node's error caught before another node failed the call. */
-		if (shard_node_error != NULL)
-			ereport(WARNING,
-					(errcode(shard_node_error->sqlerrcode),
-					 errmsg_internal("%s", shard_node_error->message),
-					 shard_node_error->detail ? errdetail_internal("%s", shard_node_error->detail) : 0,
-					 shard_node_error->hint ? errhint("%s", shard_node_error->hint) : 0,
-					 errcontext("%s", shard_node_error->context)));
-		shard_node_error = NULL;
+		shard_report_node_error(WARNING);
 		PG_RE_THROW();
 	}
 	PG_END_TRY();
@@ -809,15 +817,7 @@ shard_citus_send_text(const char *command, const char *user)
 	SetUserIdAndSecContext(saved_userid, saved_sec);
 	AtEOXact_GUC(true, gucs);
 	shard_sent_text = true;
-	node_error = shard_node_error;
-	shard_node_error = NULL;
-	if (node_error != NULL)
-		ereport(ERROR,
-				(errcode(node_error->sqlerrcode),
-				 errmsg_internal("%s", node_error->message),
-				 node_error->detail ? errdetail_internal("%s", node_error->detail) : 0,
-				 node_error->hint ? errhint("%s", node_error->hint) : 0,
-				 errcontext("%s", node_error->context)));
+	shard_report_node_error(ERROR);
 }
 
 /*

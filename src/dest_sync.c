@@ -71,7 +71,9 @@ typedef struct DestNote
 	bool		resumed;		/* idem_destination_resume ran on it */
 	SubTransactionId resumed_subid; /* in this subtransaction, or a child
 									 * that committed into it */
-	bool		created;		/* first noted by idem_destination_create */
+	bool		created;		/* made by idem_destination_create here */
+	SubTransactionId created_subid; /* in this subtransaction, or a child
+									 * that committed into it */
 	char	   *dropped;		/* its definition at the start, if dropped */
 	int32		dropped_id;		/* and the id of that destination */
 } DestNote;
@@ -99,6 +101,21 @@ dest_sync_note_resumed(DestNote *note, bool resumed)
 }
 
 /*
+ * Mark note created, if created, in the current subtransaction: a create
+ * rolled back to a savepoint did not make the name this transaction's, and
+ * a later drop of it (made by another session since) must reach the
+ * workers' copies.
+ */
+static void
+dest_sync_note_created(DestNote *note, bool created)
+{
+	if (!created || note->created)
+		return;
+	note->created = true;
+	note->created_subid = GetCurrentSubTransactionId();
+}
+
+/*
  * The note of name in this transaction, made if there is none (created and
  * resumed say by which command); NULL without Citus.
  */
@@ -122,6 +139,7 @@ dest_sync_find_note(text *name, bool created, bool resumed)
 		note = lfirst(lc);
 		if (strcmp(note->name, text_to_cstring(name)) == 0)
 		{
+			dest_sync_note_created(note, created);
 			dest_sync_note_resumed(note, resumed);
 			return note;
 		}
@@ -129,7 +147,7 @@ dest_sync_find_note(text *name, bool created, bool resumed)
 	old = MemoryContextSwitchTo(TopTransactionContext);
 	note = palloc0(sizeof(DestNote));
 	note->name = text_to_cstring(name);
-	note->created = created;
+	dest_sync_note_created(note, created);
 	dest_sync_note_resumed(note, resumed);
 	dest_notes = lappend(dest_notes, note);
 	MemoryContextSwitchTo(old);
@@ -394,8 +412,8 @@ dest_sync_xact_callback(XactEvent event, void *arg)
 }
 
 /*
- * A resume noted in a subtransaction belongs to its parent when the
- * subtransaction commits, and is undone when it aborts.
+ * A create or resume noted in a subtransaction belongs to its parent when
+ * the subtransaction commits, and is undone when it aborts.
  */
 static void
 dest_sync_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
@@ -409,12 +427,20 @@ dest_sync_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
 	{
 		DestNote   *note = lfirst(lc);
 
-		if (!note->resumed || note->resumed_subid != mySubid)
-			continue;
-		if (event == SUBXACT_EVENT_COMMIT_SUB)
-			note->resumed_subid = parentSubid;
-		else
-			note->resumed = false;
+		if (note->created && note->created_subid == mySubid)
+		{
+			if (event == SUBXACT_EVENT_COMMIT_SUB)
+				note->created_subid = parentSubid;
+			else
+				note->created = false;
+		}
+		if (note->resumed && note->resumed_subid == mySubid)
+		{
+			if (event == SUBXACT_EVENT_COMMIT_SUB)
+				note->resumed_subid = parentSubid;
+			else
+				note->resumed = false;
+		}
 	}
 }
 

@@ -1168,6 +1168,8 @@ sub unplant_function
 #     is not made on a worker, where another role made a function of that
 #     name;
 #  f. a drop rolled back to a savepoint does not drop the workers' copies;
+#     a create rolled back to a savepoint does not make a later drop of
+#     that name (another session made it since) leave the workers' copies;
 #  g. a transaction that creates several destinations and fails on some
 #     worker leaves none of them on any worker; one that changed
 #     destinations cannot be prepared.
@@ -1253,6 +1255,18 @@ sub unplant_function
 		$ids, '18f: a drop rolled back to a savepoint leaves the workers\' copies, with their deliveries');
 	is_deeply([ map { on($_, q{SELECT paused FROM idempotency.destinations WHERE name = 'kept'}) } $cluster->nodes ],
 		[ ('t') x 3 ], '18f: and the rest of the transaction reaches them');
+	my $tx = $coord->background_psql($cluster->dbname, on_error_stop => 0);
+	$tx->query_safe(q{BEGIN;
+		SAVEPOINT s;
+		SELECT idem_destination_create('late', 'notify', 'late_channel', '{late.*}');
+		ROLLBACK TO SAVEPOINT s;});
+	coord(q{SELECT idem_destination_create('late', 'notify', 'late_channel', '{late.*}')});
+	is( join(' ', map { on($_, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'late'}) } $cluster->nodes),
+		'1 1 1', '18f: another session makes a destination whose create an open transaction rolled back');
+	$tx->query_safe(q{SELECT idem_destination_drop('late'); COMMIT;});
+	$tx->quit;
+	is( join(' ', map { on($_, q{SELECT count(*) FROM idempotency.destinations WHERE name = 'late'}) } $cluster->nodes),
+		'0 0 0', '18f: that transaction\'s drop of it drops the workers\' copies too');
 
 	# g.
 	coord(q{

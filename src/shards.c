@@ -680,7 +680,6 @@ shard_check_citus_version(const char *what)
 {
 	static bool checked = false;
 	char	   *version;
-
 	bool		pushed = false;
 
 	if (checked)
@@ -830,12 +829,13 @@ shard_citus_send_text(const char *command, const char *user)
 void
 shard_check_workers(void)
 {
+	CitusEntryPoints *citus;
 	int64		without;
 	bool		isnull;
 
 	shard_check_citus_version("outbox destinations cannot be sent to the workers");
-	if (shard_citus_entry_points()->send_params == NULL &&
-		shard_citus_entry_points()->send_text == NULL)
+	citus = shard_citus_entry_points();
+	if (citus->send_params == NULL && citus->send_text == NULL)
 		ereport(ERROR,
 				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
 				 errmsg("outbox destinations cannot be sent to the workers"),

@@ -373,6 +373,20 @@ shard_index_of(ShardMap *map, int32 hash)
 }
 
 /*
+ * What relid's messages call the value a caller passes and the row it
+ * finds: an inbox's source and mark, else a record's scope and record.
+ */
+static void
+shard_value_words(Oid relid, const char **value_word, const char **row_word)
+{
+	char	   *relname = get_rel_name(relid);
+	bool		inbox = relname != NULL && strcmp(relname, "inbox") == 0;
+
+	*value_word = inbox ? "source" : "scope";
+	*row_word = inbox ? "mark" : "record";
+}
+
+/*
  * The value of the distribution column for rows of value (a scope or
  * source) of table relid: the value itself, or read as the
  * tenant column's type typid.  A value that the type refuses ('acme' for a
@@ -397,20 +411,23 @@ shard_dist_datum(Oid typid, Oid typinput, Oid typioparam, int32 typmod, bool is_
 	PG_CATCH();
 	{
 		ErrorData  *edata;
+		const char *value_word;
+		const char *row_word;
 
 		MemoryContextSwitchTo(oldcontext);
 		edata = CopyErrorData();
 		if (ERRCODE_TO_CATEGORY(edata->sqlerrcode) != ERRCODE_DATA_EXCEPTION)
 			PG_RE_THROW();
 		FlushErrorState();
+		shard_value_words(relid, &value_word, &row_word);
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("scope \"%s\" is not a tenant of type %s",
-						str, format_type_be(typid)),
+				 errmsg("%s \"%s\" is not a tenant of type %s",
+						value_word, str, format_type_be(typid)),
 				 errdetail("Citus distributes idempotency.%s by a tenant of type %s: %s.",
 						   get_rel_name(relid), format_type_be(typid), edata->message),
-				 errhint("Pass the tenant's value as the scope, or call the functions of schema idem_citus with a %s.",
-						 format_type_be(typid))));
+				 errhint("Pass the tenant's value as the %s, or call the functions of schema idem_citus with a %s.",
+						 value_word, format_type_be(typid))));
 	}
 	PG_END_TRY();
 	return d;
@@ -447,16 +464,22 @@ shard_check_canonical(ShardMap *map, text *value, Datum d)
 {
 	char	   *canonical = OidOutputFunctionCall(map->typoutput, d);
 	int			len = strlen(canonical);
+	const char *value_word;
+	const char *row_word;
 
 	if (len != VARSIZE_ANY_EXHDR(value) || memcmp(canonical, VARDATA_ANY(value), len) != 0)
+	{
+		shard_value_words(map->relid, &value_word, &row_word);
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("scope \"%s\" is not the canonical text of its tenant",
-						text_to_cstring(value)),
-				 errdetail("Citus distributes idempotency.%s by a tenant of type %s, which writes this tenant as \"%s\". A record is found by the scope's text, so a tenant must always be written the same way.",
-						   get_rel_name(map->relid), format_type_be(map->typid), canonical),
-				 errhint("Pass the scope as \"%s\", or call the functions of schema idem_citus with a %s.",
-						 canonical, format_type_be(map->typid))));
+				 errmsg("%s \"%s\" is not the canonical text of its tenant",
+						value_word, text_to_cstring(value)),
+				 errdetail("Citus distributes idempotency.%s by a tenant of type %s, which writes this tenant as \"%s\". A %s is found by the %s's text, so a tenant must always be written the same way.",
+						   get_rel_name(map->relid), format_type_be(map->typid), canonical,
+						   row_word, value_word),
+				 errhint("Pass the %s as \"%s\", or call the functions of schema idem_citus with a %s.",
+						 value_word, canonical, format_type_be(map->typid))));
+	}
 	pfree(canonical);
 }
 

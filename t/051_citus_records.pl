@@ -875,6 +875,16 @@ sub crash_coordinator
 		like($err, qr/ERROR:  22023: scope "$scope" is not a tenant of type bigint\n.*DETAIL:  Citus distributes idempotency.records by a tenant of type bigint: .*\n.*HINT:  /,
 			"13: scope '$scope', which is no bigint, is refused with 22023");
 	}
+	# The inbox's messages name what the caller passed: a source.
+	for my $case ([ "0$A", qr/ERROR:  22023: source "0$A" is not the canonical text of its tenant\n.*DETAIL:  Citus distributes idempotency.inbox /s ],
+				  [ 'acme', qr/ERROR:  22023: source "acme" is not a tenant of type bigint\n.*DETAIL:  Citus distributes idempotency.inbox /s ])
+	{
+		my ($out, $err) = ('', '');
+		$holder->psql($cluster->dbname, qq{\\set VERBOSITY verbose
+			SELECT idem_inbox_accept('$case->[0]', 'sp-m1');},
+			stdout => \$out, stderr => \$err);
+		like($err, $case->[1], "13: inbox source '$case->[0]' of tenant $A is refused with 22023, as a source");
+	}
 	like( on($holder, qq{BEGIN; SELECT outcome FROM idem_claim('$A', 'POST /orders:sp1', '{}');
 			SELECT idem_succeed('$A', 'POST /orders:sp1', 201, '{}'); COMMIT;}),
 		qr/^claimed$/m, '13: the tenant written canonically is claimed');

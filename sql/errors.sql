@@ -69,6 +69,16 @@ SELECT * FROM idem_claim('s', 'k', '{}', '-5 minutes');
 \echo :SQLSTATE
 SELECT * FROM idem_claim('s', 'k', '{}', interval '1 day' - interval '2 days');
 \echo :SQLSTATE
+-- So are ttls and leases far enough back to end before 4713 BC: 22023, not
+-- the 22008 of the timestamp they would give.
+SELECT * FROM idem_claim('s', 'k', '{}', '-7000 years');
+\echo :SQLSTATE
+SELECT * FROM idem_claim('s', 'k', '{}', NULL, '-7000 years');
+\echo :SQLSTATE
+SELECT * FROM idem_claim('s', 'k', '{}', '-7000 years 1 second');
+\echo :SQLSTATE
+SELECT idem_inbox_accept('s', 'm', '-7000 years');
+\echo :SQLSTATE
 
 -- succeed and release without a claim held by this transaction: 55000
 -- (object_not_in_prerequisite_state).

@@ -397,14 +397,23 @@ TimestampTz
 claim_interval_end(FunctionCallInfo fcinfo, int argno, TimestampTz now,
 				   const char *name)
 {
-	TimestampTz end;
+	Interval   *span;
+	TimestampTz end = 0;
 
 	if (PG_NARGS() <= argno || PG_ARGISNULL(argno))
 		return 0;
 
-	end = DatumGetTimestampTz(DirectFunctionCall2(timestamptz_pl_interval,
-												  TimestampTzGetDatum(now),
-												  PG_GETARG_DATUM(argno)));
+	/*
+	 * An interval that is not positive even counted roughly (a month as 30
+	 * days) is refused before it is added: one far enough back (-7000
+	 * years) would fail the addition with 22008 instead.
+	 */
+	span = PG_GETARG_INTERVAL_P(argno);
+	if ((double) span->month * DAYS_PER_MONTH * USECS_PER_DAY +
+		(double) span->day * USECS_PER_DAY + (double) span->time > 0)
+		end = DatumGetTimestampTz(DirectFunctionCall2(timestamptz_pl_interval,
+													  TimestampTzGetDatum(now),
+													  IntervalPGetDatum(span)));
 	if (end <= now)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),

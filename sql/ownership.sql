@@ -5,8 +5,8 @@
 -- release it, or take it over; the operator functions act on every record
 -- for the roles granted EXECUTE on them.  Any other role gets 42501 and
 -- learns nothing: not the response, not whether its request matched, not
--- whether the operation is still in progress.  The same holds for inbox
--- marks.
+-- whether a committed operation is still in progress.  The same holds for
+-- inbox marks.
 --
 -- Before version 1.2 any role could read any stored response and, with a
 -- guessed token, complete another role's multi-phase operation with a
@@ -147,6 +147,40 @@ SELECT scope, body FROM idem_replay('user-1:POST /pay', 'same-key') r, (SELECT '
 UNION ALL
 SELECT scope, body FROM idem_replay('user-2:POST /pay', 'same-key') r, (SELECT 'user-2') s(scope);
 RESET ROLE;
+
+-- A SECURITY DEFINER function claims as its owner, and the claim stays its
+-- owner's in the caller's transaction: mallory, who called alice's
+-- function, can neither complete the claim with a response of her own nor
+-- release it (42501), and cannot commit with it unfinished (25000).  A
+-- function of alice's completes it.
+CREATE FUNCTION alice_begins(k text) RETURNS text LANGUAGE sql SECURITY DEFINER
+AS $$ SELECT outcome FROM idem_claim('tenant-a:POST /pay', k, '{"amount": 10}') $$;
+CREATE FUNCTION alice_finishes(k text) RETURNS void LANGUAGE sql SECURITY DEFINER
+AS $$ SELECT idem_succeed('tenant-a:POST /pay', k, 201, '{"by": "alice"}') $$;
+ALTER FUNCTION alice_begins(text) OWNER TO idem_alice;
+ALTER FUNCTION alice_finishes(text) OWNER TO idem_alice;
+SET ROLE idem_mallory;
+BEGIN;
+SELECT alice_begins('k4');
+SELECT idem_succeed('tenant-a:POST /pay', 'k4', 200, '{"forged": true}');
+\echo :SQLSTATE
+ROLLBACK;
+BEGIN;
+SELECT alice_begins('k4');
+SELECT idem_release('tenant-a:POST /pay', 'k4');
+\echo :SQLSTATE
+ROLLBACK;
+BEGIN;
+SELECT alice_begins('k4');
+COMMIT;
+\echo :SQLSTATE
+BEGIN;
+SELECT alice_begins('k4');
+SELECT alice_finishes('k4');
+COMMIT;
+RESET ROLE;
+SELECT key, owner, body FROM idempotency.records WHERE key = 'k4';
+DROP FUNCTION alice_begins(text), alice_finishes(text);
 
 -- Every refusal was counted.
 SELECT denied - :denied_before AS denied FROM idem_stats WHERE datname = current_database();

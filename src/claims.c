@@ -890,6 +890,13 @@ claim_held(text *scope, text *key, const char *caller)
 {
 	ClaimEntry *e = claim_log_find(scope, key);
 
+	/*
+	 * The claim is the role's that made it, also when a SECURITY DEFINER
+	 * function made it in the caller's transaction: the caller may not store
+	 * a response of its own under it, nor give it up.
+	 */
+	if (e != NULL && !idem_role_may_use(e->owner))
+		records_deny(scope, key);
 	if (e == NULL || e->state != CLAIM_HELD)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),

@@ -73,10 +73,31 @@ UPDATE orders SET charge = 'charged-by-old-owner' WHERE op = 'c-1';
 SELECT idem_checkpoint('shop:POST /checkout', 'c-1', :t1, 'charged');
 \set VERBOSITY default
 ROLLBACK;
+BEGIN;
 SELECT show_error(format('SELECT idem_checkpoint(%L, %L, %s, %L)', 'shop:POST /checkout', 'c-1', :t1, 'charged'));
 SELECT show_error(format('SELECT idem_succeed(%L, %L, 201, %L, token => %s)', 'shop:POST /checkout', 'c-1', '{"old": true}', :t1));
 SELECT show_error(format('SELECT idem_extend(%L, %L, %s, %L)', 'shop:POST /checkout', 'c-1', :t1, '1 hour'));
 SELECT show_error(format('SELECT idem_release(%L, %L, %s)', 'shop:POST /checkout', 'c-1', :t1));
+ROLLBACK;
+-- Catching the IK001 does not save the write: a transaction in which a call
+-- was fenced cannot commit, whether the error was rolled back to a
+-- savepoint or caught in an EXCEPTION block (show_error has one).
+BEGIN;
+UPDATE orders SET charge = 'charged-by-old-owner' WHERE op = 'c-1';
+SAVEPOINT s;
+\set VERBOSITY sqlstate
+SELECT idem_checkpoint('shop:POST /checkout', 'c-1', :t1, 'charged');
+\set VERBOSITY default
+ROLLBACK TO SAVEPOINT s;
+COMMIT;
+\echo :SQLSTATE
+BEGIN;
+UPDATE orders SET charge = 'charged-by-old-owner' WHERE op = 'c-1';
+SELECT show_error(format('SELECT idem_checkpoint(%L, %L, %s, %L)', 'shop:POST /checkout', 'c-1', :t1, 'charged'));
+COMMIT;
+\echo :SQLSTATE
+SELECT show_error(format('SELECT idem_extend(%L, %L, %s, %L)', 'shop:POST /checkout', 'c-1', :t1, '1 hour'));
+\echo :SQLSTATE
 SELECT charge FROM orders WHERE op = 'c-1';
 
 -- The new owner finishes: phase 2, then the final response.
@@ -148,7 +169,9 @@ SELECT idem_resolve_complete('shop:POST /checkout', 'c-4', 201, '{"reconciled": 
                              note => 'charge found in the gateway dashboard') AS c4_t2 \gset
 SELECT :c4_t2 > :c4_t1 AS later_token;
 SELECT outcome, status, body FROM idem_claim('shop:POST /checkout', 'c-4', '{}', lease => '1 hour');
+BEGIN;
 SELECT show_error(format('SELECT idem_checkpoint(%L, %L, %s, %L)', 'shop:POST /checkout', 'c-4', :c4_t1, 'late'));
+ROLLBACK;
 -- ... and releases c-3 so that the next retry starts over from its recovery point.
 SELECT idem_release('shop:POST /checkout', 'c-3', :c3_t2);
 SELECT idem_resolve_release('shop:POST /checkout', 'c-3', 'customer asked to retry') AS c3_t3 \gset
@@ -240,8 +263,10 @@ SELECT idem_cleanup() > 0 AS cleaned;
 SELECT count(*) AS c7_records FROM idempotency.records WHERE key = 'c-7';
 SELECT token AS z3 FROM idem_claim('shop:POST /checkout', 'c-7', '{}', lease => '1 hour') \gset
 SELECT :z3 <> :z1 AND :z3 <> :z2 AS new_token;
+BEGIN;
 SELECT show_error(format('SELECT idem_succeed(%L, %L, 200, %L, token => %s)',
                          'shop:POST /checkout', 'c-7', '{"by": "zombie"}', :z1));
+ROLLBACK;
 SELECT idem_succeed('shop:POST /checkout', 'c-7', 200, '{"by": "third owner"}', token => :z3);
 SELECT body FROM idem_replay('shop:POST /checkout', 'c-7');
 

@@ -98,6 +98,12 @@ static int	claim_log_len = 0;
 static int	claim_log_size = 0;
 static int	claims_unfinished = 0;
 
+/*
+ * The first key whose token call this transaction was fenced from
+ * ("key" in scope "scope"), in TopTransactionContext; NULL if none.
+ */
+static char *claims_fenced = NULL;
+
 /* Same bytes, for texts and byteas alike. */
 static inline bool
 varlena_equal(const struct varlena *a, const struct varlena *b)
@@ -191,6 +197,34 @@ claims_check_finished(void)
 	}
 }
 
+/*
+ * A token call of this transaction was fenced (its operation was taken over):
+ * remember it, so that the transaction cannot commit even if the caller
+ * catches the error (a savepoint, an EXCEPTION block).  The fenced owner's
+ * writes must never take effect beside the new owner's.
+ */
+void
+claims_note_fenced(text *scope, text *key)
+{
+	if (claims_fenced == NULL)
+		claims_fenced = MemoryContextStrdup(TopTransactionContext,
+											psprintf("\"%s\" in scope \"%s\"",
+													 text_to_cstring(key),
+													 text_to_cstring(scope)));
+}
+
+/* Refuse to commit or prepare a transaction that a token call was fenced in. */
+static void
+claims_check_fenced(void)
+{
+	ereport(ERROR,
+			(errcode(ERRCODE_IDEM_FENCED),
+			 errmsg("cannot commit a transaction that was fenced from idempotency key %s",
+					claims_fenced),
+			 errdetail("A call in this transaction carried a token that is no longer current: the operation was taken over."),
+			 errhint("Roll back: nothing this transaction wrote may take effect, and the operation's new owner carries on.")));
+}
+
 /* Transaction callback: guard the commit, forget the log at the end. */
 static void
 claims_xact_callback(XactEvent event, void *arg)
@@ -200,6 +234,8 @@ claims_xact_callback(XactEvent event, void *arg)
 		case XACT_EVENT_PRE_COMMIT:
 		case XACT_EVENT_PARALLEL_PRE_COMMIT:
 		case XACT_EVENT_PRE_PREPARE:
+			if (claims_fenced != NULL)
+				claims_check_fenced();
 			if (claims_unfinished > 0)
 				claims_check_finished();
 			break;
@@ -210,6 +246,7 @@ claims_xact_callback(XactEvent event, void *arg)
 		case XACT_EVENT_PREPARE:
 			claim_log = NULL;
 			claim_log_len = claim_log_size = claims_unfinished = 0;
+			claims_fenced = NULL;
 			break;
 	}
 }

@@ -58,6 +58,7 @@ typedef struct ClaimAnswer
 
 extern void ClaimsInit(void);
 extern bool claims_pending(void);
+extern void claims_note_fenced(text *scope, text *key);
 
 extern text *claim_arg_text(FunctionCallInfo fcinfo, int argno, const char *name);
 extern void claim_scope_key_args(FunctionCallInfo fcinfo, text **scope, text **key);

@@ -14,7 +14,9 @@
  * Every call that carries a token holds the key's advisory lock until its
  * transaction ends and checks the token against the record's: an owner that
  * was taken over (or whose operation an operator resolved) is fenced with
- * SQLSTATE IK001, and its transaction, with whatever it wrote, rolls back.
+ * SQLSTATE IK001, and its transaction, with whatever it wrote, rolls back:
+ * it cannot commit even if the caller catches the error (claims.c,
+ * claims_note_fenced).
  * While an owner's phase transaction holds the lock, nobody can take over.
  *
  * A token call by a role that may not use the record (records.c,
@@ -137,6 +139,7 @@ phase_fetch(text *scope, text *key, int64 token, IdemRecord *rec,
 	if (rec->token != token)
 	{
 		idem_stats_count(IDEM_STAT_FENCED);
+		claims_note_fenced(scope, key);
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_FENCED),
 				 errmsg("%s: token " INT64_FORMAT " of idempotency key \"%s\" in scope \"%s\" is no longer current",

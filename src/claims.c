@@ -213,6 +213,24 @@ claims_note_fenced(text *scope, text *key)
 													 text_to_cstring(scope)));
 }
 
+/* Whether a token call of this transaction was fenced (claims_note_fenced). */
+bool
+claims_fenced_noted(void)
+{
+	return claims_fenced != NULL;
+}
+
+/*
+ * Forget the fence: only for a caller that rolled back the subtransaction
+ * holding every write since it was not fenced (the relay, after a
+ * destination function).
+ */
+void
+claims_forget_fenced(void)
+{
+	claims_fenced = NULL;
+}
+
 /* Refuse to commit or prepare a transaction that a token call was fenced in. */
 static void
 claims_check_fenced(void)

@@ -59,6 +59,8 @@ typedef struct ClaimAnswer
 extern void ClaimsInit(void);
 extern bool claims_pending(void);
 extern void claims_note_fenced(text *scope, text *key);
+extern bool claims_fenced_noted(void);
+extern void claims_forget_fenced(void);
 
 extern text *claim_arg_text(FunctionCallInfo fcinfo, int argno, const char *name);
 extern void claim_scope_key_args(FunctionCallInfo fcinfo, text **scope, text **key);

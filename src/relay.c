@@ -1310,7 +1310,8 @@ relay_function_timeout_handler(void)
  * search_path, in a security-restricted operation, for at most the
  * destination's timeout.  Whatever the function does wrong -- raise any
  * error, query_canceled included; run past its timeout; leave an
- * idempotency claim unfinished, which would make the commit fail -- rolls
+ * idempotency claim unfinished or be fenced from a key (IK001, caught or
+ * not), either of which would make the commit fail -- rolls
  * the subtransaction back and makes this delivery fail, to be retried or
  * dead-lettered.  Only a cancel of the relay itself (pg_cancel_backend, or
  * the caller's statement_timeout) cancels the pass.
@@ -1322,6 +1323,7 @@ relay_call_function(RelayItem *it, MemoryContext cxt)
 	MemoryContext oldcxt = CurrentMemoryContext;
 	ResourceOwner oldowner = CurrentResourceOwner;
 	bool		claims_before = claims_pending();
+	bool		fenced_before = claims_fenced_noted();
 
 	if (!relay_timeout_registered)
 	{
@@ -1386,6 +1388,12 @@ relay_call_function(RelayItem *it, MemoryContext cxt)
 					(errcode(ERRCODE_INVALID_TRANSACTION_STATE),
 					 errmsg("destination function left an idempotency claim unfinished"),
 					 errhint("Finish every claim the function makes with idem_succeed() or idem_release().")));
+		/* So would a token call the function was fenced in (and caught). */
+		if (!fenced_before && claims_fenced_noted())
+			ereport(ERROR,
+					(errcode(ERRCODE_IDEM_FENCED),
+					 errmsg("destination function was fenced from an idempotency key"),
+					 errdetail("A token call of the function failed with IK001, and its writes must not take effect.")));
 
 		AtEOXact_GUC(true, save_nestlevel);
 		SetUserIdAndSecContext(save_userid, save_sec_context);
@@ -1408,6 +1416,9 @@ relay_call_function(RelayItem *it, MemoryContext cxt)
 		RollbackAndReleaseCurrentSubTransaction();
 		MemoryContextSwitchTo(oldcxt);
 		CurrentResourceOwner = oldowner;
+		/* The function's writes are gone: a fence in it holds the relay no more. */
+		if (!fenced_before)
+			claims_forget_fenced();
 		if (relay_cancel_requested)
 			ReThrowError(edata);
 		if (relay_timeout_fired && edata->sqlerrcode == ERRCODE_QUERY_CANCELED)

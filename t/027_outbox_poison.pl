@@ -7,7 +7,9 @@
 #  - it leaves an idempotency claim unfinished (the commit guard would fail
 #    the relay's transaction);
 #  - it runs past the destination's "timeout";
-#  - it violates a deferred constraint (which would fail the commit).
+#  - it violates a deferred constraint (which would fail the commit);
+#  - it catches the IK001 of a token call with a stale token (a fenced
+#    transaction cannot commit): its own writes roll back with it.
 # Each is dead-lettered after exactly its max_attempts, with a clear error.
 #
 # The worker survives any error of a relay pass or a cleanup pass: it logs
@@ -45,7 +47,22 @@ $node->safe_psql('postgres', q{
 	CREATE TABLE child (parent_id int REFERENCES parent DEFERRABLE INITIALLY DEFERRED);
 	CREATE FUNCTION orphan(event jsonb) RETURNS void LANGUAGE sql AS
 		$$ INSERT INTO child VALUES (42) $$;
+	CREATE TABLE stale (token bigint);
+	INSERT INTO stale SELECT token FROM idem_claim('poison-op', 'k', '{}'::jsonb, lease => '1 millisecond');
+	SELECT pg_sleep(0.01);
+	SELECT outcome FROM idem_claim('poison-op', 'k', '{}'::jsonb, lease => '1 hour');
+	CREATE TABLE fenced_sink (event_id uuid);
+	CREATE FUNCTION fenced(event jsonb) RETURNS void LANGUAGE plpgsql AS $$
+	BEGIN
+		INSERT INTO fenced_sink VALUES ((event->>'id')::uuid);
+		BEGIN
+			PERFORM idem_checkpoint('poison-op', 'k', (SELECT token FROM stale), 'late');
+		EXCEPTION WHEN SQLSTATE 'IK001' THEN NULL;
+		END;
+	END $$;
 	SELECT idem_destination_create('good', 'function', 'good(jsonb)', '{t.*,u.*}');
+	SELECT idem_destination_create('fenced', 'function', 'fenced(jsonb)', '{t.*}',
+		'{"max_attempts": 2, "backoff_base": "10ms", "backoff_cap": "10ms"}');
 	SELECT idem_destination_create('cancels', 'function', 'cancels(jsonb)', '{t.*}',
 		'{"max_attempts": 2, "backoff_base": "10ms", "backoff_cap": "10ms"}');
 	SELECT idem_destination_create('leaves_claim', 'function', 'leaves_claim(jsonb)', '{t.*}',
@@ -96,7 +113,7 @@ my $runs_before = $node->safe_psql('postgres',
 my @ids = split /\n/, $node->safe_psql('postgres',
 	q{SELECT idem_publish('t.x', jsonb_build_object('n', n)) FROM generate_series(1, 3) n});
 ok( wait_unless_worker_exits(q{
-		SELECT count(*) = 12 FROM idempotency.deliveries WHERE state = 'dead'}, $offset),
+		SELECT count(*) = 15 FROM idempotency.deliveries WHERE state = 'dead'}, $offset),
 	'every poison delivery ends dead-lettered');
 is(worker_pid(), $pid, 'by the same worker process');
 ok(!worker_exited($offset), 'which never exited');
@@ -107,6 +124,7 @@ is( $node->safe_psql('postgres', q{
 		  FROM idem_outbox_dead}),
 	join("\n",
 		q{cancels 2 I cancel myself},
+		q{fenced 2 destination function was fenced from an idempotency key},
 		q{leaves_claim 3 destination function left an idempotency claim unfinished},
 		q{orphan 2 insert or update on table "child" violates foreign key constraint "child_parent_id_fkey"},
 		q{sleeps 2 the function did not return within the destination's timeout of 200 ms}),
@@ -114,8 +132,10 @@ is( $node->safe_psql('postgres', q{
 is( $node->safe_psql('postgres', q{
 		SELECT string_agg(destination || ' ' || dead_lettered || ' ' || retried, ', ' ORDER BY destination)
 		  FROM idem_outbox_stats WHERE destination <> 'good'}),
-	'cancels 3 3, leaves_claim 3 6, orphan 3 3, sleeps 3 3',
+	'cancels 3 3, fenced 3 3, leaves_claim 3 6, orphan 3 3, sleeps 3 3',
 	'counted as retried, then dead-lettered');
+is($node->safe_psql('postgres', q{SELECT count(*) FROM fenced_sink}),
+	'0', 'the fenced function\'s writes rolled back with each attempt');
 ok( $node->poll_query_until('postgres', qq{
 		SELECT cleanup_runs >= $runs_before + 2 AND worker_pid = $pid
 		  FROM idem_stats WHERE datname = 'postgres'}),

@@ -272,17 +272,21 @@ relay_workers() {
 }
 
 # drain DEST: resume DEST and wait until the worker has delivered all EVENTS
-# events; prints seconds and the most relay processes (the worker and its
-# helpers) seen meanwhile.  The poller is one psql session sending a short
+# events; prints seconds, the most relay processes (the worker and its
+# helpers) seen meanwhile, and the worker's own CPU time per event in µs
+# (from /proc; the helpers' is not counted, so it means most with 1
+# relay process).  The poller is one psql session sending a short
 # statement every 5 ms: a loop inside one statement (a DO block) would hold
 # its snapshot's xmin all along, so that no dead row version of the outbox
 # could be cleaned up while the relay works, which is not how an outbox
 # lives.
 drain() {
-	local q base got procs most=0 t0 t1
+	local q base got procs most=0 t0 t1 wpid c0 c1
 	q="SELECT coalesce(sum(s.delivered), 0) FROM idempotency.destination_stats s
 	     JOIN idempotency.destinations t ON t.id = s.destination_id WHERE t.name = '$1'"
 	base=$(sql -c "$q")
+	wpid=$(sql -c "SELECT pid FROM pg_stat_activity WHERE backend_type = 'idempotency cleanup'")
+	c0=$(worker_ticks "$wpid")
 	coproc POLL { as_pg "$BIN/psql" -X -q -At -v ON_ERROR_STOP=1 -h "$WORK" -p "$PORT" -U postgres -d postgres; }
 	sql -c "SELECT idem_destination_resume('$1')" >/dev/null    # its commit wakes the worker
 	t0=$EPOCHREALTIME
@@ -297,11 +301,16 @@ drain() {
 			&& { echo "!! not delivered after 10 minutes" >&2; kill "$POLL_PID"; return 1; }
 	done
 	t1=$EPOCHREALTIME
+	c1=$(worker_ticks "$wpid")
 	perf_stop
 	exec {POLL[1]}>&-
 	wait "$POLL_PID" 2>/dev/null || true
-	awk -v a="$t0" -v b="$t1" -v p="$most" 'BEGIN { printf "%.3f %d", b - a, p }'
+	awk -v a="$t0" -v b="$t1" -v p="$most" -v c="$((c1 - c0))" -v n="$EVENTS" -v hz="$(getconf CLK_TCK)" \
+		'BEGIN { printf "%.3f %d %.1f", b - a, p, c * 1e6 / hz / n }'
 }
+
+# worker_ticks PID: user and system CPU time of process PID, in clock ticks.
+worker_ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }
 
 # perf_start DEST: with BENCH_PERF, profile the relay processes while an
 # http destination drains (the helpers that start later are not followed).
@@ -342,13 +351,14 @@ measure() {
 	relay_workers "$workers"
 	ps=$(publish "$dest")
 	add publish "$ps" "$EVENTS"
-	read -r s procs <<<"$(drain "$dest")"
+	read -r s procs cpu <<<"$(drain "$dest")"
+	((workers == 1)) || cpu=-    # helpers' CPU is not counted
 	[ -n "$s" ] || { echo "!! $dest: delivery did not finish" >&2; exit 1; }
 	check_delivered
 	add "$dest-w$workers" "$s" "$EVENTS"
-	printf '   %-8s %-6s %7d events in %6.2fs: %8.0f events/s   (published at %.0f events/s; relay processes: %d)\n' \
+	printf '   %-8s %-6s %7d events in %6.2fs: %8.0f events/s   (published at %.0f events/s; relay processes: %d; worker CPU %s us/event)\n' \
 		"$dest" "w$workers" "$EVENTS" "$s" "$(awk -v n="$EVENTS" -v s="$s" 'BEGIN { print n / s }')" \
-		"$(awk -v n="$EVENTS" -v s="$ps" 'BEGIN { print n / s }')" "$procs"
+		"$(awk -v n="$EVENTS" -v s="$ps" 'BEGIN { print n / s }')" "$procs" "$cpu"
 }
 
 # wrk against the same nginx, IN_FLIGHT connections.
@@ -368,17 +378,19 @@ run_wrk() {
 # events; the rate is all requests over the time until the last one is done.
 run_floor() {
 	local procs=$1 t0 t1 s n=$((EVENTS * $1)) pids=()
+	rm -f "$WORK"/floor-*.out
 	t0=$(now)
 	for ((p = 0; p < procs; p++)); do
-		as_pg "$WORK/curl_floor" "http://127.0.0.1:$HTTP_PORT/hook" "$EVENTS" "$IN_FLIGHT" >/dev/null &
+		as_pg "$WORK/curl_floor" "http://127.0.0.1:$HTTP_PORT/hook" "$EVENTS" "$IN_FLIGHT" >"$WORK/floor-$p.out" &
 		pids+=($!)
 	done
 	wait "${pids[@]}"    # not the neighbours, which run until the end
 	t1=$(now)
 	s=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", b - a }')
 	add "floor-p$procs" "$s" "$n"
-	printf '   %-8s %-6s %7d requests in %6.2fs: %8.0f requests/s\n' "libcurl" "x$procs" "$n" "$s" \
-		"$(awk -v n="$n" -v s="$s" 'BEGIN { print n / s }')"
+	printf '   %-8s %-6s %7d requests in %6.2fs: %8.0f requests/s   (CPU per request: %s us)\n' "libcurl" "x$procs" "$n" "$s" \
+		"$(awk -v n="$n" -v s="$s" 'BEGIN { print n / s }')" \
+		"$(sed -n 's/^cpu \([0-9.]*\) us per request/\1/p' "$WORK"/floor-*.out | paste -sd/)"
 }
 
 # ---------------------------------------------------------------- latency

@@ -167,7 +167,11 @@ relay_prepare(SPIPlanPtr *plan, const char *sql, int nargs, Oid *argtypes)
  * settings take away the planner's remaining ways around it: no sequential
  * scans, no sorts, full or incremental (each destination's due deliveries
  * come from deliveries_due_by_destination in next_attempt_at order, and
- * the scan stops after its share of them), no bitmap scans.  A large
+ * the scan stops after its share of them), no bitmap scans, and no nested
+ * loops but those a LATERAL lookup needs (it has no other plan): with them,
+ * the UPDATEs' join to their batch (see CLAIM_UPDATE) was planned now by
+ * hash, now as a TID scan per row, which asks the kernel for the table's
+ * size on every row (about a tenth of a webhook's relay CPU).  A large
  * backlog also makes the estimates cross jit_above_cost, and compiling would cost more than these short statements
  * run: no JIT.  Destination functions never run under these settings.
  */
@@ -183,6 +187,8 @@ relay_plan_settings(void)
 	(void) set_config_option("enable_incremental_sort", "off", PGC_USERSET, PGC_S_SESSION,
 							 GUC_ACTION_SAVE, true, 0, false);
 	(void) set_config_option("enable_bitmapscan", "off", PGC_USERSET, PGC_S_SESSION,
+							 GUC_ACTION_SAVE, true, 0, false);
+	(void) set_config_option("enable_nestloop", "off", PGC_USERSET, PGC_S_SESSION,
 							 GUC_ACTION_SAVE, true, 0, false);
 	(void) set_config_option("jit", "off", PGC_USERSET, PGC_S_SESSION,
 							 GUC_ACTION_SAVE, true, 0, false);

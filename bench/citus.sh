@@ -57,7 +57,9 @@
 # 2 clients, 3 s, 2 rounds and 2,000 replay keys.  BENCH_TENANTS (1000) and
 # BENCH_REPLAY_KEYS (10000) size the data, BENCH_SHARDS (32) the shard
 # count, BENCH_PORT (5900) the first port tried (three are used),
-# BENCH_PROTOCOL (simple) pgbench's query protocol (-M).
+# BENCH_PROTOCOL (simple) pgbench's query protocol (-M).  BENCH_NODE_CONF
+# is appended to every node's postgresql.conf, for experiments (e.g.
+# "idempotency.store_server_errors = on": execute without its subtransaction).
 # BENCH_PERF=DIR adds, after each comparison's rounds, a slice of each side
 # that is not measured but profiled: perf record of the workers' backends
 # into DIR (BENCH_PERF_ARGS, default -g; "--call-graph dwarf -F 999" gives
@@ -180,6 +182,7 @@ citus.local_hostname = '$WORK'  # how a node reaches itself (see t/CitusCluster.
 citus.enable_statistics_collection = off
 citus.shard_count = $SHARDS
 track_functions = pl            # where the benchmark's functions ran (calls_of)
+${BENCH_NODE_CONF:-}
 EOF
 	as_pg "$BIN/pg_ctl" -D "$data" -l "$WORK/$name.log" -w start >/dev/null \
 		|| { cat "$WORK/$name.log"; exit 1; }
@@ -465,29 +468,40 @@ backends() {
 # The last two are the CPU time that one call costs the coordinator's
 # backends (pgbench's connections) and the workers' (the coordinator's
 # connections to them, "citus_internal gpid=..."), read from /proc over a
-# window from 1 s after the start to 1 s before the end (all connections
-# are open by then), divided by the calls that completed in the window
-# (pgbench's per-transaction log).  What else runs on the machine changes
-# it less than it changes throughput.  With PERF_FILE, perf records the
-# workers' backends during the window, which then ends 3 s before the
-# slice does (perf takes its time to start and to stop).
+# window from 1 s after pgbench started (all connections are open by then,
+# and found) to 1 s before its end, both counted from its launch, divided
+# by the calls that completed in the window (pgbench's per-transaction log).
+# What else runs on the machine changes it less than it changes
+# throughput.  With PERF_FILE, perf records the workers' backends during
+# the window, which then ends 3 s before the slice does (perf takes its
+# time to start and to stop).  The window's end is a deadline, not a
+# length: on a loaded machine finding the backends can take a second, and
+# a window that ran past pgbench's end lost the backends that had exited,
+# which printed per-call figures near 0 (seen 2026-12-05).  A figure whose
+# backends were not all there at both ends is printed as -1 and left out
+# of the medians.
 run_slice() {
 	local name=$1 script=$2 secs=$3 perf_file=${4:-}
-	local out="$WORK/out/$name-$EPOCHREALTIME" window
-	local rc=0 bench_pid coord workers c0 c1 w0 w1 t0 t1
-	if [ -n "$perf_file" ]; then window=$((secs > 5 ? secs - 4 : 1)); else window=$((secs > 3 ? secs - 2 : 1)); fi
+	local out="$WORK/out/$name-$EPOCHREALTIME" window margin start
+	local rc=0 bench_pid coord workers c0 c1 w0 w1 t0 t1 whole
+	if [ -n "$perf_file" ]; then margin=3; else margin=1; fi
+	start=$EPOCHREALTIME
 	bench_run "$out" "$script" -T "$secs" -l --log-prefix="$out/lat" &
 	bench_pid=$!
 	sleep 1
 	coord=$(backends "$COORD_PORT" "application_name = 'pgbench'")
 	workers="$(backends "$W1_PORT" "application_name LIKE 'citus_internal gpid=%'") $(backends "$W2_PORT" "application_name LIKE 'citus_internal gpid=%'")"
 	c0=$(cpu_ticks $coord) w0=$(cpu_ticks $workers) t0=$EPOCHREALTIME
+	# Until the deadline, at least a tenth of a second.
+	window=$(awk -v s="$start" -v d="$secs" -v m="$margin" -v n="$t0" 'BEGIN { w = s + d - m - n; printf "%.2f", (w > 0.1 ? w : 0.1) }')
 	if [ -n "$perf_file" ]; then
 		perf record -q $PERF_ARGS -p "$(echo $workers | tr ' ' ',')" -o "$perf_file" -- sleep "$window" >/dev/null 2>&1 || true
 	else
 		sleep "$window"
 	fi
 	c1=$(cpu_ticks $coord) w1=$(cpu_ticks $workers) t1=$EPOCHREALTIME
+	# Every backend present at both ends, or no figure.
+	whole=$(( $(echo "$c0" | grep -c .) == $(echo "$c1" | grep -c .) && $(echo "$w0" | grep -c .) == $(echo "$w1" | grep -c .) ))
 	c1=$(cpu_used "$c0" "$c1") w1=$(cpu_used "$w0" "$w1")
 	wait "$bench_pid" || rc=$?
 	local txns tps failed errors calls
@@ -505,9 +519,9 @@ run_slice() {
 	rm -f "$out"/lat.*
 	# Measured time as pgbench saw it: transactions / tps.
 	awk -v t="${txns:-0}" -v r="${tps:-0}" -v f="${failed:-0}" -v e="$errors" -v n="$calls" \
-		-v c="$c1" -v w="$w1" -v hz="$(getconf CLK_TCK)" \
-		'BEGIN { printf "%d %.6f %d %d %.1f %.1f\n", t, (r > 0 ? t / r : 0), f, e,
-		         (n ? c * 1e6 / hz / n : 0), (n ? w * 1e6 / hz / n : 0) }'
+		-v c="$c1" -v w="$w1" -v hz="$(getconf CLK_TCK)" -v whole="$whole" \
+		'BEGIN { ok = n && whole; printf "%d %.6f %d %d %.1f %.1f\n", t, (r > 0 ? t / r : 0), f, e,
+		         (ok ? c * 1e6 / hz / n : -1), (ok ? w * 1e6 / hz / n : -1) }'
 }
 
 # compare NAME OURS_SCRIPT FLOOR_SCRIPT: interleaved rounds; sets OURS_TPS
@@ -517,7 +531,7 @@ run_slice() {
 compare() {
 	local name=$1 ours=$2 floor=$3
 	local -A txns=([ours]=0 [floor]=0) secs=([ours]=0 [floor]=0) tps cpu cpus=([ours]="" [floor]="")
-	local round side order t s f e c w script ratio cpu_ratios=""
+	local round side order t s f e c w script ratio cpu_ratio cpu_ratios=""
 	ERRORS=0 ROUND_RATIOS=""
 	echo "== $name, $CLIENTS clients, $ROUNDS x ${SECS}s per side"
 	# Warm-up, not counted: the first slices after setup fill empty tables.
@@ -533,8 +547,8 @@ compare() {
 			[ "$side" = floor ] && script=$floor
 			read -r t s f e c w < <(run_slice "$name-$side" "$script" "$SECS")
 			tps[$side]=$(awk -v t="$t" -v s="$s" 'BEGIN { printf "%.1f", (s > 0 ? t / s : 0) }')
-			cpu[$side]=$(awk -v c="$c" -v w="$w" 'BEGIN { printf "%.1f", c + w }')
-			cpus[$side]+=" ${cpu[$side]}"
+			cpu[$side]=$(awk -v c="$c" -v w="$w" 'BEGIN { printf "%.1f", (c < 0 || w < 0 ? -1 : c + w) }')
+			[ "${cpu[$side]}" = -1.0 ] || cpus[$side]+=" ${cpu[$side]}"
 			printf '   round %d %-5s %8d tx  %8.1f tps  failed %d  errors %d   CPU us/call: coordinator %5.1f  workers %5.1f   (load %s)\n' \
 				"$round" "$side" "$t" "${tps[$side]}" "$f" "$e" "$c" "$w" "$(cut -d' ' -f1 /proc/loadavg)"
 			txns[$side]=$((txns[$side] + t))
@@ -545,14 +559,18 @@ compare() {
 		# least disturbed by load that comes and goes on a shared machine.
 		ratio=$(awk -v a="${tps[ours]}" -v b="${tps[floor]}" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }')
 		ROUND_RATIOS+=" $ratio"
-		cpu_ratios+=" $(awk -v a="${cpu[ours]}" -v b="${cpu[floor]}" 'BEGIN { printf "%.2f", (a > 0 ? b / a : 0) }')"
-		echo "   round $round ratio $ratio (CPU per call, floor/ours: ${cpu_ratios##* })"
+		# (None for a round with a side's figure missing.)
+		cpu_ratio=-
+		[ "${cpu[ours]}" = -1.0 ] || [ "${cpu[floor]}" = -1.0 ] \
+			|| cpu_ratio=$(awk -v a="${cpu[ours]}" -v b="${cpu[floor]}" 'BEGIN { printf "%.2f", (a > 0 ? b / a : 0) }')
+		[ "$cpu_ratio" = - ] || cpu_ratios+=" $cpu_ratio"
+		echo "   round $round ratio $ratio (CPU per call, floor/ours: $cpu_ratio)"
 	done
 	ROUND_RATIOS=${ROUND_RATIOS# }
 	MEDIAN=$(median $ROUND_RATIOS)
 	CPU_MEDIAN=$(median $cpu_ratios)
-	OURS_CPU=$(median ${cpus[ours]} | awk '{ printf "%.1f", $1 }')
-	FLOOR_CPU=$(median ${cpus[floor]} | awk '{ printf "%.1f", $1 }')
+	OURS_CPU=$(median ${cpus[ours]} | awk '{ if ($1 == "-") print "-"; else printf "%.1f", $1 }')
+	FLOOR_CPU=$(median ${cpus[floor]} | awk '{ if ($1 == "-") print "-"; else printf "%.1f", $1 }')
 	OURS_TPS=$(awk -v t="${txns[ours]}" -v s="${secs[ours]}" 'BEGIN { printf "%.1f", (s > 0 ? t / s : 0) }')
 	FLOOR_TPS=$(awk -v t="${txns[floor]}" -v s="${secs[floor]}" 'BEGIN { printf "%.1f", (s > 0 ? t / s : 0) }')
 	RATIO=$(awk -v a="$OURS_TPS" -v b="$FLOOR_TPS" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }')
@@ -565,6 +583,7 @@ compare() {
 
 # median NUMBER...
 median() {
+	[ $# -gt 0 ] || { echo -; return; }
 	printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { if (NR % 2) printf "%.2f", v[(NR + 1) / 2]; else printf "%.2f", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
 }
 

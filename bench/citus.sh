@@ -500,8 +500,9 @@ run_slice() {
 		sleep "$window"
 	fi
 	c1=$(cpu_ticks $coord) w1=$(cpu_ticks $workers) t1=$EPOCHREALTIME
-	# Every backend present at both ends, or no figure.
-	whole=$(( $(echo "$c0" | grep -c .) == $(echo "$c1" | grep -c .) && $(echo "$w0" | grep -c .) == $(echo "$w1" | grep -c .) ))
+	# Backends found on both sides, every one present at both ends, or no figure.
+	whole=$(( $(echo "$c0" | grep -c .) > 0 && $(echo "$w0" | grep -c .) > 0 &&
+		$(echo "$c0" | grep -c .) == $(echo "$c1" | grep -c .) && $(echo "$w0" | grep -c .) == $(echo "$w1" | grep -c .) ))
 	c1=$(cpu_used "$c0" "$c1") w1=$(cpu_used "$w0" "$w1")
 	wait "$bench_pid" || rc=$?
 	local txns tps failed errors calls
@@ -603,11 +604,12 @@ profile_pair() {
 			$((SECS > 6 ? SECS : 6)) "$PERF_DIR/$name-$side.data")
 		printf '     %-5s  coordinator %6.1f   workers %6.1f, of which:\n' "$side" "$c" "$w"
 		us[$side]=$w
-		# The workers' time by shared object, the biggest first.
+		# The workers' time by shared object, the biggest first (as
+		# percentages where the slice has no CPU figure).
 		perf report -i "$PERF_DIR/$name-$side.data" --no-children -g none --sort dso -q 2>/dev/null \
-			| awk -v w="$w" 'NF >= 2 && $1 ~ /%$/ { p = $1; sub(/%/, "", p); if (p >= 0.5) printf "            %6.1f  %s\n", p * w / 100, $2 }'
+			| awk -v w="$w" 'NF >= 2 && $1 ~ /%$/ { p = $1; sub(/%/, "", p); if (p >= 0.5) printf "            %6.1f%s  %s\n", (w < 0 ? p : p * w / 100), (w < 0 ? "%" : ""), $2 }'
 	done
-	echo "     workers: ours - floor = $(awk -v a="${us[ours]}" -v b="${us[floor]}" 'BEGIN { printf "%.1f", a - b }') us per call;" \
+	echo "     workers: ours - floor = $(awk -v a="${us[ours]}" -v b="${us[floor]}" 'BEGIN { if (a < 0 || b < 0) printf "-"; else printf "%.1f", a - b }') us per call;" \
 		"symbols: perf report -i $PERF_DIR/$name-ours.data --no-children"
 }
 

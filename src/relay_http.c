@@ -863,8 +863,14 @@ http_finish(CURLM *m, HttpRequest *req)
 
 /*
  * The delay a 429 or 503 answer asks for with Retry-After, in milliseconds,
- * or -1 if it has none that parses: delta-seconds, or an HTTP-date (which
- * curl_getdate reads; a date in the past asks for no delay).
+ * or -1 if it has none that parses or asks for no wait: delta-seconds (a
+ * number too large for a long long asks for the longest wait), or an
+ * HTTP-date (which curl_getdate reads).  "0", or a date not in the future,
+ * counts as no Retry-After at all: honoured, it would have the relay retry
+ * at once and forever (a 429 uses up no attempt), hammering the endpoint;
+ * so the delivery takes the path of an answer without one instead (the
+ * backoff growing with its claims for a 429, an ordinary failure for a
+ * 503).  Over a year is as good as the cap: it is clamped to one.
  */
 static int64
 http_retry_after_ms(CURL *easy)
@@ -887,16 +893,22 @@ http_retry_after_ms(CURL *easy)
 		secs = strtoll(v, &end, 10);
 		while (*end == ' ' || *end == '\t')
 			end++;
-		if (errno != 0 || *end != '\0')
+		if (*end != '\0' || (errno != 0 && errno != ERANGE))
 			return -1;
-		/* Over a year is as good as the cap. */
-		return Min(secs, 366LL * 86400) * 1000;
+		/* All digits, too many for a number: the longest wait (ERANGE). */
 	}
-	when = curl_getdate(v, NULL);
-	if (when == (time_t) -1)
+	else
+	{
+		when = curl_getdate(v, NULL);
+		if (when == (time_t) -1)
+			return -1;
+		secs = (long long) when - (long long) time(NULL);
+	}
+	/* No wait asked for: as if there were no Retry-After. */
+	if (secs <= 0)
 		return -1;
-	secs = (long long) when - (long long) time(NULL);
-	return Min(Max(secs, 0), 366LL * 86400) * 1000;
+	/* Over a year is as good as the cap. */
+	return Min(secs, 366LL * 86400) * 1000;
 }
 
 /* Record what a finished request means for its delivery. */

@@ -11,8 +11,9 @@
 # idem_outbox_relay) then serialise on that row, and a transaction holding
 # it stalls the worker (see t/044) even for a healthy endpoint.
 #
-# Driven with idem_outbox_relay(): a 429 with "Retry-After: 0", then the
-# endpoint is healthy; a successful delivery must not write the row.
+# Driven with idem_outbox_relay(): a 429 with "Retry-After: 1" (capped by
+# backoff_cap to 1 ms; a "Retry-After: 0" paces nothing), then the endpoint
+# is healthy; a successful delivery must not write the row.
 use strict;
 use warnings;
 
@@ -54,12 +55,12 @@ my $v0 = row_version();
 is(q1('SELECT idem_outbox_relay()'), '1', 'delivered');
 is(row_version(), $v0, 'a success of a healthy endpoint does not write its destination row');
 
-# One 429 asking for no delay at all.
-$sink->set_mode('429 retry-after 0');
+# One 429 asking for a delay that backoff_cap cuts to 1 ms.
+$sink->set_mode('429 retry-after 1');
 my $e = q1(q{SELECT idem_publish('ep.x', '{}')});
 is(q1('SELECT idem_outbox_relay()'), '1', 'the 429 was attempted');
 is(q1(q{SELECT paced_until IS NOT NULL FROM idempotency.destinations WHERE name = 'ep'}), 't',
-	'paced until the time asked (now)');
+	'paced until the time asked (capped: 1 ms)');
 $sink->set_mode('204');
 $node->poll_query_until('postgres', q{SELECT idem_outbox_relay() = 1})
   or die 'the retry was not made';

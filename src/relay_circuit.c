@@ -38,6 +38,7 @@ static SPIPlanPtr state_write_plan = NULL;
 static SPIPlanPtr probe_plan = NULL;
 static SPIPlanPtr probe_attempt_plan = NULL;
 static SPIPlanPtr disable_plan = NULL;
+static SPIPlanPtr disable_check_plan = NULL;
 
 /* An endpoint's state, as idempotency.destinations keeps it (0: NULL). */
 typedef struct EndpointState
@@ -54,9 +55,10 @@ typedef struct EndpointState
  * transaction held it), summed up so that applying them to the row's state
  * later gives what applying each in turn would have: whether one succeeded
  * (then only what came after it counts), the failures since (429s aside),
- * the first failure or rate limit since, and the latest Retry-After's end.
- * With the destination's options as last seen, for a delta applied without
- * outcomes of its own.
+ * the first failure or rate limit since, the latest Retry-After's end, and
+ * the reason of a 410 Gone that disables it (empty if none).  With the
+ * destination's options as last seen, for a delta applied without outcomes
+ * of its own.
  */
 typedef struct EndpointDelta
 {
@@ -71,6 +73,7 @@ typedef struct EndpointDelta
 	TimestampTz first_failed_at;
 	TimestampTz paced_until;
 	char		last_error[256];
+	char		disable_reason[128];
 } EndpointDelta;
 
 /*
@@ -222,9 +225,12 @@ endpoint_state_apply(EndpointState *st, const RelayDest *d, const EndpointDelta 
 		if (endpoint_outcome_of(items[i], d) && items[i]->while_open)
 			items[i]->retry_at = Max(st->next_probe, items[i]->retry_at);
 
+	/* A 410 Gone kept for later disables it, whatever the rest. */
+	if (x != NULL && x->disable_reason[0] != '\0')
+		*why = pstrdup(x->disable_reason);
 	/* Failing (or rate limited) since longer than disable_after, open or not. */
-	if (failed && st->failing_since != 0 &&
-		now - st->failing_since >= d->disable_after_ms * 1000)
+	else if (failed && st->failing_since != 0 &&
+			 now - st->failing_since >= d->disable_after_ms * 1000)
 		*why = psprintf("failing since %s, longer than disable_after (%lld ms); last error: %s",
 						timestamptz_to_str(st->failing_since),
 						(long long) d->disable_after_ms,
@@ -420,7 +426,10 @@ endpoint_state_differs(const EndpointState *a, const EndpointState *b)
  * outcomes are kept in this backend's memory (an EndpointDelta, once the
  * transaction commits) and applied to the row's state at the next
  * opportunity, with the next outcomes or alone (items may be empty: the
- * relay loop comes back for them, see relay_endpoint_deferred).  The
+ * relay loop comes back for them, see relay_endpoint_deferred).  So is a
+ * 410 Gone that relay_disable could not write: the delta then disables the
+ * destination (unless it is disabled already); a delta whose destination
+ * is gone (dropped, or created again: another id) is forgotten.  The
  * deliveries' own outcomes are recorded as the state read says.
  */
 void
@@ -554,7 +563,7 @@ relay_endpoint_states(RelayItem **items, int n)
 		/* The rows to write, locked if no one else holds them, read again. */
 		plan = relay_prepare(&state_lock_plan,
 							 "SELECT id, circuit = 'open', consecutive_failures, failing_since,"
-							 "       next_probe_at, paced_until"
+							 "       next_probe_at, paced_until, disabled_at IS NOT NULL"
 							 "  FROM idempotency.destinations"
 							 " WHERE id = ANY ($1) ORDER BY id FOR UPDATE SKIP LOCKED",
 							 1, argtypes);
@@ -605,6 +614,9 @@ relay_endpoint_states(RelayItem **items, int n)
 		Assert(d != NULL);
 		endpoint_state_read(tup, SPI_tuptable->tupdesc, &st);
 		endpoint_state_apply(&st, d, x, items, n, now, &why, &opened);
+		/* Disabled already (by an operator, say): nothing to disable. */
+		if (DatumGetBool(spi_value(tup, 7, BoolGetDatum(false))))
+			why = NULL;
 		written[nwritten++] = id;
 		wids[r] = Int32GetDatum(id);
 		circuits[r] = CStringGetTextDatum(st.open ? "open" : "closed");
@@ -619,7 +631,11 @@ relay_endpoint_states(RelayItem **items, int n)
 		why_nulls[r] = (why == NULL);
 		if (why != NULL)
 			outbox_dests_changed_at_commit();	/* chains claimed for it stop */
-		if (why != NULL)
+		if (why != NULL && x != NULL && x->disable_reason[0] != '\0')
+			ereport(LOG,
+					(errmsg("outbox destination \"%s\" disabled: %s", d->name, why),
+					 errhint("Resume it with idem_destination_resume() once the endpoint is back.")));
+		else if (why != NULL)
 			ereport(LOG,
 					(errmsg("outbox destination \"%s\" disabled: it has failed since %s, longer than its disable_after",
 							d->name, timestamptz_to_str(st.failing_since)),
@@ -748,9 +764,27 @@ relay_claim_probes(RelayItem **items, int n, TimestampTz now)
 }
 
 /*
- * Disable the destinations whose endpoint answered 410 Gone in this pass;
- * one whose row another transaction holds is not waited for (its next 410
- * disables it).
+ * Keep destination d's 410 Gone for later, its row held by another
+ * transaction: relay_endpoint_states writes it once the row is free (and
+ * forgets it if the destination is gone by then; a destination created
+ * again has another id).
+ */
+static void
+endpoint_disable_later(RelayDest *d)
+{
+	EndpointDelta *x;
+
+	endpoint_deltas_stage(NULL, 0, &d, 1, NULL, 0);
+	x = endpoint_delta_find(d->id);
+	Assert(x != NULL);
+	strlcpy(x->disable_reason, d->disable_reason, sizeof(x->disable_reason));
+}
+
+/*
+ * Disable the destinations whose endpoint answered 410 Gone in this pass.
+ * One whose row another transaction holds is not waited for: the disable
+ * is kept in this backend's memory, like the endpoint states, and written
+ * at the next opportunity (see relay_endpoint_states).
  */
 void
 relay_disable(List *dests)
@@ -763,6 +797,7 @@ relay_disable(List *dests)
 		Oid			argtypes[2] = {INT4OID, TEXTOID};
 		Datum		values[2];
 		SPIPlanPtr	plan;
+		int			ret;
 
 		if (d->disable_reason == NULL)
 			continue;
@@ -778,7 +813,24 @@ relay_disable(List *dests)
 		if (SPI_execute_plan(plan, values, NULL, false, 0) != SPI_OK_UPDATE)
 			elog(ERROR, "could not disable outbox destination");
 		if (SPI_processed == 0)
+		{
+			/* Disabled already, dropped, or held: only the last waits. */
+			plan = relay_prepare(&disable_check_plan,
+								 "SELECT 1 FROM idempotency.destinations"
+								 " WHERE id = $1 AND disabled_at IS NULL",
+								 1, argtypes);
+			ret = SPI_execute_plan(plan, values, NULL, false, 1);
+			if (ret != SPI_OK_SELECT)
+				elog(ERROR, "could not read outbox destination");
+			if (SPI_processed > 0)
+			{
+				endpoint_disable_later(d);
+				ereport(LOG,
+						(errmsg("outbox destination \"%s\" to be disabled (%s) once another transaction releases its row",
+								d->name, d->disable_reason)));
+			}
 			continue;
+		}
 		outbox_dests_changed_at_commit();	/* chains claimed for it stop */
 		ereport(LOG,
 				(errmsg("outbox destination \"%s\" disabled: %s", d->name, d->disable_reason),

@@ -191,7 +191,8 @@ SELECT idem_resolve_release('shop:POST /checkout', 'c-1');
 SELECT idem_resolve_complete('shop:POST /checkout', 'nope', 200);
 \echo :SQLSTATE
 
--- Bad input: clear errors, nothing written.
+-- Bad input: clear errors, nothing written.  A token call for a key without
+-- an operation is fenced (IK001): whoever holds that token owns nothing.
 SELECT count(*) AS records_before FROM idempotency.records \gset
 SELECT idem_checkpoint('shop:POST /checkout', 'nope', 1, 'x');
 \echo :SQLSTATE
@@ -269,6 +270,41 @@ SELECT show_error(format('SELECT idem_succeed(%L, %L, 200, %L, token => %s)',
 ROLLBACK;
 SELECT idem_succeed('shop:POST /checkout', 'c-7', 200, '{"by": "third owner"}', token => :z3);
 SELECT body FROM idem_replay('shop:POST /checkout', 'c-7');
+
+-- A fenced owner stays fenced after the operation it lost has expired, and
+-- after cleanup removed its record: its token call fails, catching that
+-- does not save its transaction, and its phase write never commits.  (An
+-- expired record used to count as no operation at all: 42704, nothing
+-- noted, so the zombie's transaction committed its write.)
+SELECT token AS y1 FROM idem_claim('shop:POST /checkout', 'c-20', '{}', ttl => '1 s', lease => '1 s') \gset
+SELECT pg_sleep(1.1);
+SELECT outcome, token > :y1 AS took_over, token AS y2
+  FROM idem_claim('shop:POST /checkout', 'c-20', '{}', ttl => '1 s', lease => '1 hour') \gset
+SELECT :'outcome' AS outcome, :'took_over' AS took_over;
+SELECT idem_succeed('shop:POST /checkout', 'c-20', 200, '{"by": "second owner"}', token => :y2);
+SELECT pg_sleep(1.1);
+SELECT count(*) AS c20_expired_records FROM idempotency.records
+ WHERE key = 'c-20' AND expires_at < now();
+CREATE FUNCTION zombie_phase(p_key text, p_token bigint) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+	INSERT INTO orders (op, charge) VALUES ('zombie ' || p_key, 'ch_zombie');
+	BEGIN
+		PERFORM idem_checkpoint('shop:POST /checkout', p_key, p_token, 'charged');
+	EXCEPTION WHEN OTHERS THEN
+		RAISE NOTICE 'zombie caught %', SQLSTATE;
+	END;
+END $$;
+-- Expired, not yet removed: the owner it lost to is known.
+SELECT zombie_phase('c-20', :y1);
+-- And once cleanup removed the record.
+SELECT idem_cleanup() > 0 AS cleaned;
+SELECT count(*) AS c20_records FROM idempotency.records WHERE key = 'c-20';
+SELECT zombie_phase('c-20', :y1);
+-- A token for a key that never had an operation cannot commit either.
+SELECT zombie_phase('c-never', 424242);
+SELECT count(*) AS zombie_orders FROM orders WHERE op LIKE 'zombie%';
+DROP FUNCTION zombie_phase(text, bigint);
 
 -- The longest recovery point is kept whole.
 SELECT idem_checkpoint('shop:POST /checkout', 'c-3', :c3_t4, repeat('x', 1024));

@@ -239,7 +239,7 @@ claims_check_fenced(void)
 			(errcode(ERRCODE_IDEM_FENCED),
 			 errmsg("cannot commit a transaction that was fenced from idempotency key %s",
 					claims_fenced),
-			 errdetail("A call in this transaction carried a token that is no longer current: the operation was taken over."),
+			 errdetail("A call in this transaction carried a token that is no longer current: the operation was taken over or has ended."),
 			 errhint("Roll back: nothing this transaction wrote may take effect, and the operation's new owner carries on.")));
 }
 

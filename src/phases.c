@@ -131,9 +131,28 @@ phase_fetch(text *scope, text *key, int64 token, IdemRecord *rec,
 			const char *caller)
 {
 	Relation	rel = phase_open(scope, key, caller);
+	Relation	pkey = records_open_pkey(rel);
+	bool		found = records_lookup(rel, pkey, SnapshotSelf, scope, key, rec);
 
-	if (!phase_lookup(rel, scope, key, rec))
-		report_unknown(scope, key, caller);
+	index_close(pkey, NoLock);
+
+	/*
+	 * A token names an operation that once was: without its record (expired
+	 * and removed, or never there) the caller cannot be its owner, and must
+	 * no more commit than an owner that was taken over.  An expired record
+	 * is still looked at, as if it had not expired.
+	 */
+	if (!found)
+	{
+		idem_stats_count(IDEM_STAT_FENCED);
+		claims_note_fenced(scope, key);
+		ereport(ERROR,
+				(errcode(ERRCODE_IDEM_FENCED),
+				 errmsg("%s: idempotency key \"%s\" in scope \"%s\" has no operation that token " INT64_FORMAT " could belong to",
+						caller, text_to_cstring(key), text_to_cstring(scope), token),
+				 errdetail("Its record has expired and was removed, or it never existed: the operation is over."),
+				 errhint("Stop working on it: nothing this transaction wrote will take effect.")));
+	}
 	if (!idem_role_may_use(rec->owner))
 		records_deny(scope, key);
 	if (rec->token != token)

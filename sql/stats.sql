@@ -45,7 +45,14 @@ SELECT claims, replays, mismatches, in_progress, takeovers, fenced, releases,
   FROM idem_stats WHERE datname = current_database();
 
 -- Cleanup: 5 expired records, 3 expired inbox marks, 1 expired record still
--- 'processing' (left in place and reported), live ones (kept).
+-- 'processing' (left in place and reported), live ones (kept).  A
+-- multi-phase operation whose ttl has passed but whose lease is live is
+-- running, not stuck: kept and not reported.  (It used to be counted in
+-- expired_processing: 2.)
+INSERT INTO idempotency.records (scope, key, state, fingerprint, token, created_at, expires_at,
+                                 lease_expires_at)
+VALUES ('stats:running', 'r1', 'processing', idem_fingerprint('{}'), 1,
+        now() - interval '2 days', now() - interval '1 day', now() + interval '1 hour');
 INSERT INTO idempotency.records (scope, key, state, fingerprint, status, token,
                                  created_at, completed_at, expires_at)
 SELECT 'stats:expired', 'e' || g, 'completed', idem_fingerprint('{}'), 200, 1,
@@ -74,6 +81,7 @@ SELECT cleanup_runs, rows_deleted, expired_processing,
        last_cleanup_duration >= interval '0' AS duration_ok,
        cleanup_lag < interval '1 minute' AS small_lag
   FROM idem_stats WHERE datname = current_database();
+DELETE FROM idempotency.records WHERE scope = 'stats:running';
 -- Nothing left to delete: a second pass deletes nothing.
 SELECT idem_cleanup() AS deleted;
 

@@ -143,14 +143,15 @@ typedef struct CleanupTarget
 static CleanupTarget cleanup_targets[] = {
 	{
 		"records",
-		"SELECT ctid, scope, key, state OPERATOR(pg_catalog.=) 'processing', expires_at"
+		"SELECT ctid, scope, key, state OPERATOR(pg_catalog.=) 'processing', expires_at,"
+		"       lease_expires_at OPERATOR(pg_catalog.>=) $3"
 		" FROM %s" CLEANUP_WINDOW_SQL,
 		"deleting expired rows of idempotency.records",
 		claim_locktag, Natts_records, NULL, InvalidOid
 	},
 	{
 		"inbox",
-		"SELECT ctid, source, message_id, false, expires_at"
+		"SELECT ctid, source, message_id, false, expires_at, false"
 		" FROM %s" CLEANUP_WINDOW_SQL,
 		"deleting expired rows of idempotency.inbox",
 		inbox_locktag, Natts_inbox, NULL, InvalidOid
@@ -535,7 +536,11 @@ cleanup_batch(CleanupTarget *target, Relation rel, CleanupPass *pass)
 			last = tid;
 		if (processing)
 		{
-			pass->processing++;
+			/* Stuck, unless its lease is live: a long operation still running. */
+			Datum		lease_live = SPI_getbinval(tuple, desc, 6, &isnull);
+
+			if (isnull || !DatumGetBool(lease_live))
+				pass->processing++;
 			continue;
 		}
 		switch (cleanup_row(target, rel, &tid, a, b))

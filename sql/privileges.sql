@@ -22,6 +22,16 @@ $$;
 CREATE FUNCTION private_handler(request jsonb) RETURNS idem_response
 LANGUAGE sql AS $$ SELECT ROW(200, NULL, NULL)::idem_response $$;
 REVOKE EXECUTE ON FUNCTION private_handler(jsonb) FROM PUBLIC;
+-- A SECURITY DEFINER handler in a schema idem_app may not use: EXECUTE
+-- stays with PUBLIC (the default), the schema keeps it out of reach.
+CREATE SCHEMA idem_hidden;
+CREATE TABLE idem_hidden.secrets (v text);
+INSERT INTO idem_hidden.secrets VALUES ('top secret');
+CREATE FUNCTION idem_hidden.reveal(request jsonb) RETURNS idem_response
+LANGUAGE sql SECURITY DEFINER SET search_path = pg_catalog AS $$
+	SELECT ROW(200, NULL, to_jsonb((SELECT v FROM idem_hidden.secrets)))::public.idem_response;
+$$;
+SELECT 'idem_hidden.reveal(jsonb)'::regprocedure::oid AS hidden_handler \gset
 
 SET ROLE idem_app;
 
@@ -57,6 +67,13 @@ SELECT * FROM idem_execute('app:POST /orders', 'p-4', '{}', 'private_handler(jso
 -- handler may not write either.
 SELECT * FROM idem_execute('app:POST /orders', 'p-5', '{}', 'sneaky_handler(jsonb)');
 \echo :SQLSTATE
+-- ... and USAGE on the handler's schema, as calling it by name would: a
+-- handler passed by its OID is no way around the schema.  (It used to run,
+-- and answered 'top secret'.)
+SELECT idem_hidden.reveal('{}');
+\echo :SQLSTATE
+SELECT * FROM idem_execute('app:POST /orders', 'p-6', '{}', :hidden_handler::oid::regprocedure);
+\echo :SQLSTATE
 
 RESET ROLE;
 SELECT count(*) AS audit_rows FROM audit_log;
@@ -68,5 +85,6 @@ SELECT has_schema_privilege('idem_app', 'idempotency', 'USAGE') AS app_usage,
        has_table_privilege('idem_app', 'idempotency.records', 'SELECT') AS app_select;
 
 DROP FUNCTION app_handler(jsonb), sneaky_handler(jsonb), private_handler(jsonb);
+DROP SCHEMA idem_hidden CASCADE;
 DROP TABLE app_orders, audit_log;
 DROP ROLE idem_app;

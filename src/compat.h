@@ -18,6 +18,7 @@
 #include "postgres.h"
 
 #include "access/heapam.h"
+#include "catalog/pg_namespace.h"
 #include "catalog/pg_proc.h"
 #include "common/base64.h"
 #include "executor/executor.h"
@@ -42,14 +43,17 @@
 
 /*
  * PostgreSQL 16 replaced the per-class pg_*_aclcheck functions with
- * object_aclcheck(classid, ...).  The extension checks only functions.
+ * object_aclcheck(classid, ...).  The extension checks only functions and
+ * schemas.
  */
 #if PG_VERSION_NUM < 160000
 static inline AclResult
 object_aclcheck(Oid classid, Oid objectid, Oid roleid, AclMode mode)
 {
+	if (classid == NamespaceRelationId)
+		return pg_namespace_aclcheck(objectid, roleid, mode);
 	if (classid != ProcedureRelationId)
-		elog(ERROR, "object_aclcheck shim supports functions only, not class %u", classid);
+		elog(ERROR, "object_aclcheck shim supports functions and schemas only, not class %u", classid);
 	return pg_proc_aclcheck(objectid, roleid, mode);
 }
 #endif

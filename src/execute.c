@@ -250,6 +250,7 @@ idem_execute(PG_FUNCTION_ARGS)
 	int64		ttl;
 	Jsonb	   *request;
 	Oid			handler;
+	Oid			handler_schema;
 	ExecuteCache *cache;
 	AclResult	aclresult;
 	ClaimAnswer answer;
@@ -274,6 +275,11 @@ idem_execute(PG_FUNCTION_ARGS)
 	aclresult = object_aclcheck(ProcedureRelationId, handler, GetUserId(), ACL_EXECUTE);
 	if (aclresult != ACLCHECK_OK)
 		aclcheck_error(aclresult, OBJECT_FUNCTION, get_func_name(handler));
+	/* As calling it by name would: a handler's OID is no way around its schema. */
+	handler_schema = get_func_namespace(handler);
+	aclresult = object_aclcheck(NamespaceRelationId, handler_schema, GetUserId(), ACL_USAGE);
+	if (aclresult != ACLCHECK_OK)
+		aclcheck_error(aclresult, OBJECT_SCHEMA, get_namespace_name(handler_schema));
 
 	claim_key(scope, key, idem_fingerprint_jsonb(request), ttl, 0, &answer);
 	switch (answer.outcome)

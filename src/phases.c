@@ -53,17 +53,26 @@
 #define IDEM_MAX_NOTE_LEN			4096
 
 /*
- * The record of (scope, key) as it stands now.  The caller holds the key's
- * lock, so no change is in flight and SnapshotSelf shows the latest state.
+ * The record of (scope, key) as it stands now, expired or not.  The caller
+ * holds the key's lock, so no change is in flight and SnapshotSelf shows
+ * the latest state.
  */
 static bool
-phase_lookup(Relation rel, text *scope, text *key, IdemRecord *rec)
+phase_lookup_any(Relation rel, text *scope, text *key, IdemRecord *rec)
 {
 	Relation	pkey = records_open_pkey(rel);
 	bool		found = records_lookup(rel, pkey, SnapshotSelf, scope, key, rec);
 
 	index_close(pkey, NoLock);
-	return found && (!rec->completed || rec->expires_at > GetCurrentTimestamp());
+	return found;
+}
+
+/* The live record of (scope, key): a completed one that expired is none. */
+static bool
+phase_lookup(Relation rel, text *scope, text *key, IdemRecord *rec)
+{
+	return phase_lookup_any(rel, scope, key, rec) &&
+		(!rec->completed || rec->expires_at > GetCurrentTimestamp());
 }
 
 /* A text argument of at most max_len bytes (22023 otherwise), or NULL. */
@@ -131,10 +140,6 @@ phase_fetch(text *scope, text *key, int64 token, IdemRecord *rec,
 			const char *caller)
 {
 	Relation	rel = phase_open(scope, key, caller);
-	Relation	pkey = records_open_pkey(rel);
-	bool		found = records_lookup(rel, pkey, SnapshotSelf, scope, key, rec);
-
-	index_close(pkey, NoLock);
 
 	/*
 	 * A token names an operation that once was: without its record (expired
@@ -142,7 +147,7 @@ phase_fetch(text *scope, text *key, int64 token, IdemRecord *rec,
 	 * no more commit than an owner that was taken over.  An expired record
 	 * is still looked at, as if it had not expired.
 	 */
-	if (!found)
+	if (!phase_lookup_any(rel, scope, key, rec))
 	{
 		idem_stats_count(IDEM_STAT_FENCED);
 		claims_note_fenced(scope, key);

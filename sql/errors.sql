@@ -2,7 +2,9 @@
 -- Bad input: every one gets a clear error with a documented SQLSTATE, and
 -- nothing is written.  \echo :SQLSTATE shows the code after each error.
 --
-SELECT count(*) AS records_before FROM idempotency.records;
+-- (How many records earlier tests of the run left, so that this file runs
+-- alone too.)
+SELECT count(*) AS records_before FROM idempotency.records \gset
 
 -- NULL arguments: 22004 (null_value_not_allowed).
 SELECT * FROM idem_claim(NULL, 'k', '{}');
@@ -174,4 +176,4 @@ SELECT * FROM idem_claim('s', 'k', '{}');
 ROLLBACK;
 
 -- Nothing above was written.
-SELECT count(*) AS records_after FROM idempotency.records;
+SELECT count(*) - :records_before AS records_written FROM idempotency.records;

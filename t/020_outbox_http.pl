@@ -30,27 +30,16 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 use Time::HiRes qw(time sleep);
-use WebhookSink;
+use OutboxNode;
 
 my $OLD_SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
 my $NEW_SECRET = 'whsec_c2VjcmV0LWtleS1udW1iZXItdHdvLTEyMzQ1Njc4';
 my $UNKNOWN_SECRET = 'whsec_dW5rbm93bi10by10aGUtcmVjZWl2ZXItMTIzNA==';
 
-my $node = PostgreSQL::Test::Cluster->new('main');
-$node->init;
-# The sink listens on loopback, which the relay refuses unless allowed.
-$node->append_conf('postgresql.conf', q{
-shared_preload_libraries = 'idempotency'
-idempotency.relay_allowed_networks = '127.0.0.1'
-});
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
+my $node = start_outbox_node('main');
 
 # The receiver knows only the new secret.
-my $sink = WebhookSink->new(
-	port => PostgreSQL::Test::Cluster::get_free_port(),
-	dir => PostgreSQL::Test::Utils::tempdir(),
-	secrets => [$NEW_SECRET])->start;
+my $sink = start_sink($NEW_SECRET);
 
 # Run relay passes until nothing is left to attempt now; returns the total.
 sub relay_until_idle

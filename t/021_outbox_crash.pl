@@ -24,25 +24,13 @@ use PostgreSQL::Test::Utils;
 use Test::More;
 use CrashRecovery;
 use Time::HiRes qw(time sleep);
-use WebhookSink;
+use OutboxNode;
 
-my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
-
-my $node = PostgreSQL::Test::Cluster->new('main');
-$node->init;
-# The sink listens on loopback, which the relay refuses unless allowed.
-$node->append_conf('postgresql.conf', q{
-shared_preload_libraries = 'idempotency'
+my $node = start_outbox_node('main', conf => q{
 restart_after_crash = on
-idempotency.relay_allowed_networks = '127.0.0.1'
 });
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
 
-my $sink = WebhookSink->new(
-	port => PostgreSQL::Test::Cluster::get_free_port(),
-	dir => PostgreSQL::Test::Utils::tempdir(),
-	secrets => [$SECRET])->start;
+my $sink = start_sink();
 
 sub relay_until_done
 {

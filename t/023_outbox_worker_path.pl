@@ -29,9 +29,7 @@ use PostgreSQL::Test::Utils;
 use Test::More;
 use CrashRecovery;
 use Time::HiRes qw(time sleep);
-use WebhookSink;
-
-my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
+use OutboxNode;
 
 my $node = PostgreSQL::Test::Cluster->new('main');
 $node->init;
@@ -52,10 +50,7 @@ $node->safe_psql('postgres', q{
 		AS 'idem_test', 'idem_relay_next_due' LANGUAGE C;
 });
 
-my $sink = WebhookSink->new(
-	port => PostgreSQL::Test::Cluster::get_free_port(),
-	dir => PostgreSQL::Test::Utils::tempdir(),
-	secrets => [$SECRET])->start;
+my $sink = start_sink();
 
 sub harness
 {

@@ -27,9 +27,7 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 use Time::HiRes qw(time sleep);
-use WebhookSink;
-
-my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
+use OutboxNode;
 
 my $node = PostgreSQL::Test::Cluster->new('visibility');
 $node->init;
@@ -47,10 +45,7 @@ $node->safe_psql('postgres', q{
 		AS 'idem_test', 'idem_relay_harness' LANGUAGE C STRICT;
 });
 
-my $sink = WebhookSink->new(
-	port => PostgreSQL::Test::Cluster::get_free_port(),
-	dir => PostgreSQL::Test::Utils::tempdir(),
-	secrets => [$SECRET])->start;
+my $sink = start_sink();
 $sink->set_mode('sleep 0.4 204');
 
 $node->safe_psql('postgres', sprintf(q{

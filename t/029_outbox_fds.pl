@@ -15,9 +15,7 @@ use lib $FindBin::RealBin;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
-use WebhookSink;
-
-my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
+use OutboxNode;
 
 my $node = PostgreSQL::Test::Cluster->new('fds');
 $node->init;
@@ -40,10 +38,7 @@ $node->safe_psql('postgres', q{
 	CREATE EXTENSION idempotency;
 });
 
-my $sink = WebhookSink->new(
-	port => PostgreSQL::Test::Cluster::get_free_port(),
-	dir => PostgreSQL::Test::Utils::tempdir(),
-	secrets => [$SECRET])->start;
+my $sink = start_sink();
 $sink->set_mode('sleep 1 204');
 $node->safe_psql('postgres', sprintf(q{
 	SELECT idem_destination_create('hook', 'http', '%s', '{order.*}',

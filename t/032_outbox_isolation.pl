@@ -32,32 +32,17 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 use Time::HiRes qw(time sleep);
-use WebhookSink;
+use OutboxNode;
 
-my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
-
-my $node = PostgreSQL::Test::Cluster->new('isolation');
-$node->init;
-$node->append_conf('postgresql.conf', q{
-shared_preload_libraries = 'idempotency,auto_explain'
+my $node = start_outbox_node('isolation', worker => 1, preload => 'idempotency,auto_explain', conf => q{
 auto_explain.log_min_duration = 0
 auto_explain.log_analyze = on
 auto_explain.log_timing = off
 auto_explain.log_nested_statements = on
-idempotency.databases = 'postgres'
-idempotency.relay_allowed_networks = '127.0.0.1'
 });
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
 
-my $healthy = WebhookSink->new(
-	port => PostgreSQL::Test::Cluster::get_free_port(),
-	dir => PostgreSQL::Test::Utils::tempdir(),
-	secrets => [$SECRET])->start;
-my $slow = WebhookSink->new(
-	port => PostgreSQL::Test::Cluster::get_free_port(),
-	dir => PostgreSQL::Test::Utils::tempdir(),
-	secrets => [$SECRET])->start;
+my $healthy = start_sink();
+my $slow = start_sink();
 $slow->set_mode('sleep 20 204');
 
 # Nothing listens here: connections are refused.
@@ -213,10 +198,7 @@ is( $node->safe_psql('postgres', q{
 	'16', 'the slow deliveries are still in flight, claimed once, max_in_flight (16) of them');
 
 # ---- max_in_flight: at most 3 requests under way to one endpoint.
-my $limited = WebhookSink->new(
-	port => PostgreSQL::Test::Cluster::get_free_port(),
-	dir => PostgreSQL::Test::Utils::tempdir(),
-	secrets => [$SECRET])->start;
+my $limited = start_sink();
 $limited->set_mode('sleep 1 204');
 $node->safe_psql('postgres', sprintf(q{
 	SELECT idem_destination_create('limited', 'http', '%s', '{limited.*}',

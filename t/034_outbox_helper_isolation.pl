@@ -21,35 +21,18 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 use Time::HiRes qw(time sleep);
-use WebhookSink;
+use OutboxNode;
 
-my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
 my $SLOW_S = 60;
 
-my $node = PostgreSQL::Test::Cluster->new('helper_isolation');
-$node->init;
-$node->append_conf('postgresql.conf', q{
-shared_preload_libraries = 'idempotency'
-idempotency.databases = 'postgres'
+my $node = start_outbox_node('helper_isolation', worker => 1, conf => q{
 idempotency.cleanup_interval = '1h'
-idempotency.relay_allowed_networks = '127.0.0.1'
 idempotency.relay_workers = 2
 idempotency.relay_batch_size = 1
 });
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
-$node->poll_query_until('postgres',
-	q{SELECT count(*) = 1 FROM pg_stat_activity WHERE backend_type = 'idempotency cleanup'})
-  or die 'the per-database worker did not start';
 
-my $healthy = WebhookSink->new(
-	port => PostgreSQL::Test::Cluster::get_free_port(),
-	dir => PostgreSQL::Test::Utils::tempdir(),
-	secrets => [$SECRET])->start;
-my $slow = WebhookSink->new(
-	port => PostgreSQL::Test::Cluster::get_free_port(),
-	dir => PostgreSQL::Test::Utils::tempdir(),
-	secrets => [$SECRET])->start;
+my $healthy = start_sink();
+my $slow = start_sink();
 $slow->set_mode("sleep $SLOW_S 204");
 
 $node->safe_psql('postgres', sprintf(q{

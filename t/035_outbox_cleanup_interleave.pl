@@ -18,30 +18,15 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 use Time::HiRes qw(time sleep);
-use WebhookSink;
+use OutboxNode;
 
-my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
-
-my $node = PostgreSQL::Test::Cluster->new('cleanup_interleave');
-$node->init;
-$node->append_conf('postgresql.conf', q{
-shared_preload_libraries = 'idempotency'
-idempotency.databases = 'postgres'
+my $node = start_outbox_node('cleanup_interleave', worker => 1, conf => q{
 idempotency.cleanup_interval = '1h'
 idempotency.cleanup_batch_size = 10
 idempotency.cleanup_delay = '100ms'
-idempotency.relay_allowed_networks = '127.0.0.1'
 });
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
-$node->poll_query_until('postgres',
-	q{SELECT count(*) = 1 FROM pg_stat_activity WHERE backend_type = 'idempotency cleanup'})
-  or die 'the per-database worker did not start';
 
-my $sink = WebhookSink->new(
-	port => PostgreSQL::Test::Cluster::get_free_port(),
-	dir => PostgreSQL::Test::Utils::tempdir(),
-	secrets => [$SECRET])->start;
+my $sink = start_sink();
 $sink->set_mode('sleep 2 204');
 $node->safe_psql('postgres', sprintf(q{
 	CREATE TABLE received (event_id uuid);

@@ -20,27 +20,15 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 use Time::HiRes qw(time sleep);
-use WebhookSink;
+use OutboxNode;
 
-my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
-
-my $node = PostgreSQL::Test::Cluster->new('helpers_webhooks');
-$node->init;
-$node->append_conf('postgresql.conf', q{
-shared_preload_libraries = 'idempotency'
-idempotency.databases = 'postgres'
+my $node = start_outbox_node('helpers_webhooks', worker => 1, conf => q{
 idempotency.cleanup_interval = '1h'
-idempotency.relay_allowed_networks = '127.0.0.1'
 idempotency.relay_workers = 2
 idempotency.relay_max_in_flight = 4
 });
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
 
-my $sink = WebhookSink->new(
-	port => PostgreSQL::Test::Cluster::get_free_port(),
-	dir => PostgreSQL::Test::Utils::tempdir(),
-	secrets => [$SECRET])->start;
+my $sink = start_sink();
 $sink->set_mode('sleep 0.2 204');
 $node->safe_psql('postgres', sprintf(q{
 	SELECT idem_destination_create(d, 'http', '%s', ARRAY[d || '.*'],

@@ -23,20 +23,11 @@ use lib $FindBin::RealBin;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
-use WebhookSink;
+use OutboxNode;
 
-my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
-
-my $node = PostgreSQL::Test::Cluster->new('review_memory');
-$node->init;
-$node->append_conf('postgresql.conf', q{
-shared_preload_libraries = 'idempotency'
-idempotency.databases = 'postgres'
-idempotency.relay_allowed_networks = '127.0.0.1'
+my $node = start_outbox_node('review_memory', worker => 1, conf => q{
 log_min_messages = log
 });
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
 
 # Nothing listens here: every attempt fails at once.
 my $refused_port = PostgreSQL::Test::Cluster::get_free_port();
@@ -116,10 +107,7 @@ cmp_ok($growth, '<', 64 * 1024,
 
 # A healthy endpoint: every iteration of the loop, even one with nothing
 # failing, leaves its arrays behind.
-my $sink = WebhookSink->new(
-	port => PostgreSQL::Test::Cluster::get_free_port(),
-	dir => PostgreSQL::Test::Utils::tempdir(),
-	secrets => [$SECRET])->start;
+my $sink = start_sink();
 $node->safe_psql('postgres', sprintf(q{
 	SELECT idem_destination_drop('flap');
 	SELECT idem_destination_create('healthy', 'http', '%s', '{healthy.*}',

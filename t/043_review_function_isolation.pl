@@ -35,25 +35,13 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 use Time::HiRes qw(time sleep);
-use WebhookSink;
+use OutboxNode;
 
-my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
-
-my $node = PostgreSQL::Test::Cluster->new('review_fn_isolation');
-$node->init;
-$node->append_conf('postgresql.conf', q{
-shared_preload_libraries = 'idempotency'
-idempotency.databases = 'postgres'
-idempotency.relay_allowed_networks = '127.0.0.1'
+my $node = start_outbox_node('review_fn_isolation', worker => 1, conf => q{
 idempotency.relay_visibility_margin = '1s'
 });
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
 
-my $sink = WebhookSink->new(
-	port => PostgreSQL::Test::Cluster::get_free_port(),
-	dir => PostgreSQL::Test::Utils::tempdir(),
-	secrets => [$SECRET])->start;
+my $sink = start_sink();
 
 $node->safe_psql('postgres', sprintf(q{
 	CREATE TABLE calls (event_id uuid, at timestamptz DEFAULT clock_timestamp());

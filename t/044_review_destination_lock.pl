@@ -26,28 +26,12 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 use Time::HiRes qw(time sleep);
-use WebhookSink;
+use OutboxNode;
 
-my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
+my $node = start_outbox_node('review_dest_lock', worker => 1);
 
-my $node = PostgreSQL::Test::Cluster->new('review_dest_lock');
-$node->init;
-$node->append_conf('postgresql.conf', q{
-shared_preload_libraries = 'idempotency'
-idempotency.databases = 'postgres'
-idempotency.relay_allowed_networks = '127.0.0.1'
-});
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
-
-my $healthy = WebhookSink->new(
-	port => PostgreSQL::Test::Cluster::get_free_port(),
-	dir => PostgreSQL::Test::Utils::tempdir(),
-	secrets => [$SECRET])->start;
-my $failing = WebhookSink->new(
-	port => PostgreSQL::Test::Cluster::get_free_port(),
-	dir => PostgreSQL::Test::Utils::tempdir(),
-	secrets => [$SECRET])->start;
+my $healthy = start_sink();
+my $failing = start_sink();
 $failing->set_mode('500');
 
 $node->safe_psql('postgres', sprintf(q{

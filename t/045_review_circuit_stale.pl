@@ -24,24 +24,11 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 use Time::HiRes qw(time sleep);
-use WebhookSink;
+use OutboxNode;
 
-my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
+my $node = start_outbox_node('review_circuit_stale', worker => 1);
 
-my $node = PostgreSQL::Test::Cluster->new('review_circuit_stale');
-$node->init;
-$node->append_conf('postgresql.conf', q{
-shared_preload_libraries = 'idempotency'
-idempotency.databases = 'postgres'
-idempotency.relay_allowed_networks = '127.0.0.1'
-});
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
-
-my $sink = WebhookSink->new(
-	port => PostgreSQL::Test::Cluster::get_free_port(),
-	dir => PostgreSQL::Test::Utils::tempdir(),
-	secrets => [$SECRET])->start;
+my $sink = start_sink();
 
 sub q1 { return $node->safe_psql('postgres', $_[0]); }
 

@@ -23,23 +23,11 @@ use lib $FindBin::RealBin;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
-use WebhookSink;
+use OutboxNode;
 
-my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
+my $node = start_outbox_node('review_pacing');
 
-my $node = PostgreSQL::Test::Cluster->new('review_pacing');
-$node->init;
-$node->append_conf('postgresql.conf', q{
-shared_preload_libraries = 'idempotency'
-idempotency.relay_allowed_networks = '127.0.0.1'
-});
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
-
-my $sink = WebhookSink->new(
-	port => PostgreSQL::Test::Cluster::get_free_port(),
-	dir => PostgreSQL::Test::Utils::tempdir(),
-	secrets => [$SECRET])->start;
+my $sink = start_sink();
 
 sub q1 { return $node->safe_psql('postgres', $_[0]); }
 

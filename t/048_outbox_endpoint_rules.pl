@@ -23,30 +23,13 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 use Time::HiRes qw(time sleep);
-use WebhookSink;
+use OutboxNode;
 
-my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
-
-my $node = PostgreSQL::Test::Cluster->new('endpoint_rules');
-$node->init;
-$node->append_conf('postgresql.conf', q{
-shared_preload_libraries = 'idempotency'
-idempotency.databases = 'postgres'
+my $node = start_outbox_node('endpoint_rules', worker => 1, conf => q{
 idempotency.cleanup_interval = '1h'
-idempotency.relay_allowed_networks = '127.0.0.1'
 });
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
 
 sub q1 { return $node->safe_psql('postgres', $_[0]); }
-
-sub new_sink
-{
-	return WebhookSink->new(
-		port => PostgreSQL::Test::Cluster::get_free_port(),
-		dir => PostgreSQL::Test::Utils::tempdir(),
-		secrets => [$SECRET])->start;
-}
 
 sub create_dest
 {
@@ -71,7 +54,7 @@ sub wait_answers
 }
 
 # ---- A. Rescheduled attempts are not used up.
-my $sink_a = new_sink();
+my $sink_a = start_sink();
 $sink_a->set_mode('429 retry-after 1');
 create_dest('limited', $sink_a,
 	'{"max_attempts": 2, "backoff_base": "1s", "backoff_cap": "1s", "failure_threshold": 1000}');
@@ -112,7 +95,7 @@ is(q1(q{SELECT circuit || ' ' || consecutive_failures || ' ' || (failing_since I
 	'closed 0 true', 'A: the success ended the streak');
 
 # ---- B. An endpoint that answers 429 forever is disabled after disable_after.
-my $sink_b = new_sink();
+my $sink_b = start_sink();
 $sink_b->set_mode('429 retry-after 1');
 create_dest('forever', $sink_b,
 	'{"max_attempts": 100, "backoff_base": "1s", "backoff_cap": "1s", "disable_after": "3s"}');
@@ -136,7 +119,7 @@ is(q1("SELECT state FROM idempotency.deliveries WHERE event_id = '$ev_b'"), 'pen
 	'B: its delivery is still pending, not dead');
 
 # ---- C. disable_after whatever the circuit.
-my $sink_c = new_sink();
+my $sink_c = start_sink();
 $sink_c->set_mode('500');
 create_dest('failing', $sink_c,
 	'{"max_attempts": 1000, "backoff_base": "1s", "backoff_cap": "1s", "disable_after": "3s",
@@ -155,7 +138,7 @@ like(q1(q{SELECT disabled_reason FROM idem_destinations WHERE name = 'failing'})
 	qr/^failing since .*last error: .*500/, 'C: with a reason');
 
 # ---- D. The circuit opens although the row was held when the failures came.
-my $sink_d = new_sink();
+my $sink_d = start_sink();
 $sink_d->set_mode('500');
 create_dest('busy', $sink_d, '{"max_attempts": 1, "failure_threshold": 2}');
 my $holder = $node->background_psql('postgres');
@@ -184,7 +167,7 @@ is(scalar(grep { $_->{what} eq 'answered' } $sink_d->entries), 2,
 # backoff_base 200 ms, 12 tries within 4 s need the random delays drawn
 # from windows of 0.2 s to 205 s to be tiny; with a backoff that did not
 # grow, they came within about 2 s).
-my $sink_e = new_sink();
+my $sink_e = start_sink();
 $sink_e->set_mode('429');
 create_dest('slowing', $sink_e, '{"backoff_base": 0.2, "disable_after": "1h"}');
 q1(q{SELECT idem_publish('slowing.x', '{}')});

@@ -24,29 +24,15 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 use Time::HiRes qw(sleep);
-use WebhookSink;
+use OutboxNode;
 
-my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
 my $EVENTS = 10;
 
-my $node = PostgreSQL::Test::Cluster->new('review2_pause');
-$node->init;
-$node->append_conf('postgresql.conf', q{
-shared_preload_libraries = 'idempotency'
-idempotency.databases = 'postgres'
+my $node = start_outbox_node('review2_pause', worker => 1, conf => q{
 idempotency.cleanup_interval = '1h'
-idempotency.relay_allowed_networks = '127.0.0.1'
 });
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
-$node->poll_query_until('postgres',
-	q{SELECT count(*) = 1 FROM pg_stat_activity WHERE backend_type = 'idempotency cleanup'})
-  or die 'the per-database worker did not start';
 
-my $sink = WebhookSink->new(
-	port => PostgreSQL::Test::Cluster::get_free_port(),
-	dir => PostgreSQL::Test::Utils::tempdir(),
-	secrets => [$SECRET])->start;
+my $sink = start_sink();
 $sink->set_mode('sleep 1 204');
 
 $node->safe_psql('postgres', sprintf(q{SELECT idem_destination_create('ep', 'http', '%s', '{ep.*}',

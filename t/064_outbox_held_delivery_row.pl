@@ -23,31 +23,16 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 use Time::HiRes qw(time sleep);
-use WebhookSink;
+use OutboxNode;
 
-my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
-
-my $node = PostgreSQL::Test::Cluster->new('held_delivery_row');
-$node->init;
 # A claim's window is the margin plus the destination's timeout: 1 s + 4 s,
 # renewed 2.5 s after the claim.
-$node->append_conf('postgresql.conf', q{
-shared_preload_libraries = 'idempotency'
-idempotency.databases = 'postgres'
-idempotency.relay_allowed_networks = '127.0.0.1'
+my $node = start_outbox_node('held_delivery_row', worker => 1, conf => q{
 idempotency.relay_visibility_margin = '1s'
 });
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
 
-my $healthy = WebhookSink->new(
-	port => PostgreSQL::Test::Cluster::get_free_port(),
-	dir => PostgreSQL::Test::Utils::tempdir(),
-	secrets => [$SECRET])->start;
-my $slow = WebhookSink->new(
-	port => PostgreSQL::Test::Cluster::get_free_port(),
-	dir => PostgreSQL::Test::Utils::tempdir(),
-	secrets => [$SECRET])->start;
+my $healthy = start_sink();
+my $slow = start_sink();
 $slow->set_mode('sleep 3.5 204');
 
 $node->safe_psql('postgres', sprintf(q{

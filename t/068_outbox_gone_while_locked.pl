@@ -21,28 +21,13 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
 use Time::HiRes qw(sleep time);
-use WebhookSink;
+use OutboxNode;
 
-my $SECRET = 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw';
-
-my $node = PostgreSQL::Test::Cluster->new('gone_while_locked');
-$node->init;
-$node->append_conf('postgresql.conf', q{
-shared_preload_libraries = 'idempotency'
-idempotency.databases = 'postgres'
+my $node = start_outbox_node('gone_while_locked', worker => 1, conf => q{
 idempotency.cleanup_interval = '1h'
-idempotency.relay_allowed_networks = '127.0.0.1'
 });
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idempotency');
-$node->poll_query_until('postgres',
-	q{SELECT count(*) = 1 FROM pg_stat_activity WHERE backend_type = 'idempotency cleanup'})
-  or die 'the worker did not start';
 
-my $sink = WebhookSink->new(
-	port => PostgreSQL::Test::Cluster::get_free_port(),
-	dir => PostgreSQL::Test::Utils::tempdir(),
-	secrets => [$SECRET])->start;
+my $sink = start_sink();
 
 sub q1 { return $node->safe_psql('postgres', $_[0]); }
 

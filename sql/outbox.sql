@@ -214,6 +214,32 @@ SELECT destination, status, backlog FROM idem_outbox_stats WHERE destination = '
 BEGIN ISOLATION LEVEL REPEATABLE READ;
 SELECT idem_outbox_relay();
 ROLLBACK;
+-- A pass in a transaction that published would claim the transaction's own
+-- uncommitted events, and send them (to an http endpoint: for good) before
+-- a rollback takes them back: refused (55000), whichever the destination.
+-- An event published in a savepoint since rolled back is gone and counts
+-- for nothing; one in a released savepoint counts.
+TRUNCATE sink;
+BEGIN;
+SELECT idem_publish('own.event', '{}') IS NOT NULL AS published;
+SELECT idem_outbox_relay();
+\echo :SQLSTATE
+ROLLBACK;
+BEGIN;
+SAVEPOINT s;
+SELECT idem_publish('own.event', '{}') IS NOT NULL AS published;
+SAVEPOINT t;
+SELECT idem_outbox_relay();
+\echo :SQLSTATE
+ROLLBACK TO s;
+SELECT idem_outbox_relay() AS attempted_after_rollback_to_savepoint;
+SAVEPOINT u;
+SELECT idem_publish('own.event', '{}') IS NOT NULL AS published;
+RELEASE u;
+SELECT idem_outbox_relay();
+\echo :SQLSTATE
+ROLLBACK;
+SELECT count(*) AS own_events_delivered FROM sink;
 SELECT idem_outbox_relay(0);
 -- At most 100000 per pass (it used to allocate room for any number up
 -- front, and 2^27 or more failed with an internal error).

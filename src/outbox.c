@@ -77,6 +77,13 @@ static bool wake_at_commit = false;
 /* Set when a destination changes: tell the relay loops at commit. */
 static bool dests_changed_at_commit = false;
 
+/*
+ * The nesting level of the outermost live (sub)transaction in which
+ * idem_publish wrote deliveries, 0 if none: they are not committed, and a
+ * relay pass of this transaction must not send them (outbox_published).
+ */
+static int	published_level = 0;
+
 /* What idem_publish writes (records.h: IdemRelCache). */
 static IdemRelCache publish_rels = IDEM_RELCACHE("outbox", "deliveries", "destinations", "outbox_seq");
 
@@ -92,6 +99,7 @@ outbox_xact_callback(XactEvent event, void *arg)
 	switch (event)
 	{
 		case XACT_EVENT_COMMIT:
+			published_level = 0;
 			if (dests_changed_at_commit)
 			{
 				dests_changed_at_commit = false;
@@ -107,10 +115,30 @@ outbox_xact_callback(XactEvent event, void *arg)
 		case XACT_EVENT_PREPARE:
 			wake_at_commit = false;
 			dests_changed_at_commit = false;
+			published_level = 0;
 			break;
 		default:
 			break;
 	}
+}
+
+/*
+ * At the end of a subtransaction, follow its deliveries: a commit hands
+ * them to its parent, an abort takes them away (none published further out
+ * are left, or published_level would be lower).
+ */
+static void
+outbox_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
+						SubTransactionId parentSubid, void *arg)
+{
+	int			level = GetCurrentTransactionNestLevel();
+
+	if (published_level < level)
+		return;
+	if (event == SUBXACT_EVENT_COMMIT_SUB)
+		published_level = level - 1;
+	else if (event == SUBXACT_EVENT_ABORT_SUB)
+		published_level = 0;
 }
 
 /* Define the outbox's GUCs and callbacks; called from _PG_init. */
@@ -169,6 +197,14 @@ OutboxInit(void)
 
 	idem_relcache_register(&publish_rels);
 	RegisterXactCallback(outbox_xact_callback, NULL);
+	RegisterSubXactCallback(outbox_subxact_callback, NULL);
+}
+
+/* Whether this transaction wrote deliveries that are still live (uncommitted). */
+bool
+outbox_published(void)
+{
+	return published_level > 0;
 }
 
 /* Ask for the relay to be woken when this transaction commits. */
@@ -659,7 +695,13 @@ idem_publish(PG_FUNCTION_ARGS)
 	writer_close(&w);
 
 	if (outbox_fan_out(event_id, seq, topic, key, now) > 0)
+	{
+		int			level = GetCurrentTransactionNestLevel();
+
+		if (published_level == 0 || level < published_level)
+			published_level = level;
 		outbox_wake_at_commit();
+	}
 
 	/* Later statements of this transaction see the event. */
 	CommandCounterIncrement();

@@ -103,6 +103,7 @@ extern Oid	outbox_relid(const char *relname);
 extern bool outbox_installed(void);
 extern void outbox_become_owner(OutboxOwnerState *state);
 extern void outbox_restore_user(OutboxOwnerState *state);
+extern bool outbox_published(void);
 extern void outbox_wake_at_commit(void);
 extern void outbox_dests_changed_at_commit(void);
 extern bool outbox_topic_matches(Datum topics, text *topic);

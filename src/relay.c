@@ -2133,6 +2133,12 @@ idem_outbox_relay(PG_FUNCTION_ARGS)
 				 errmsg("idem_outbox_relay() must run at isolation level READ COMMITTED"),
 				 errdetail("Claiming with SKIP LOCKED needs a fresh snapshot for each statement.")));
 	PreventCommandIfReadOnly("idem_outbox_relay()");
+	if (outbox_published())
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idem_outbox_relay() cannot run in a transaction that published events"),
+				 errdetail("The pass would claim this transaction's own events before they commit, and a webhook sent for one of them cannot be taken back if the transaction rolls back."),
+				 errhint("Call idem_outbox_relay() after the commit, in a transaction of its own.")));
 	PG_RETURN_INT64(relay_pass(PG_GETARG_INT32(0)));
 }
 

@@ -120,6 +120,7 @@ typedef struct HttpRequest
 	char		refusal[256];	/* why a connection was refused, or "" */
 	bool		no_fd;			/* refused: no file descriptor to spare */
 	bool		retried_fd;		/* retried once after closing idle connections */
+	bool		headers_ended;	/* the last response's header block was complete */
 	MemoryContext cxt;			/* the loop's requests: where their outcome goes */
 } HttpRequest;
 
@@ -759,6 +760,26 @@ http_discard(char *ptr, size_t size, size_t nmemb, void *userdata)
 	return size * nmemb;
 }
 
+/*
+ * Follow the answer's header blocks: a status line opens one, an empty line
+ * closes it.  libcurl reports an answer cut off inside its headers as a
+ * complete transfer, with the status it read; http_outcome must not take
+ * that for a 2xx.
+ */
+static size_t
+http_header_seen(char *line, size_t size, size_t nitems, void *userdata)
+{
+	HttpRequest *req = (HttpRequest *) userdata;
+	size_t		len = size * nitems;
+
+	if (len >= 5 && memcmp(line, "HTTP/", 5) == 0)
+		req->headers_ended = false;
+	else if ((len == 2 && line[0] == '\r' && line[1] == '\n') ||
+			 (len == 1 && line[0] == '\n'))
+		req->headers_ended = true;
+	return len;
+}
+
 /* Start one request on the multi handle. */
 static void
 http_start(CURLM *m, HttpRequest *req)
@@ -813,6 +834,7 @@ http_start(CURLM *m, HttpRequest *req)
 	req->errbuf[0] = '\0';
 	req->refusal[0] = '\0';
 	req->no_fd = false;
+	req->headers_ended = false;
 	it->sent = true;
 	curl_easy_setopt(e, CURLOPT_URL, d->target);
 	curl_easy_setopt(e, CURLOPT_PROTOCOLS_STR, "http,https");
@@ -833,6 +855,8 @@ http_start(CURLM *m, HttpRequest *req)
 	curl_easy_setopt(e, CURLOPT_CONNECTTIMEOUT_MS, (long) Min(d->connect_timeout_ms, d->timeout_ms));
 	curl_easy_setopt(e, CURLOPT_USERAGENT, "idempotency-relay/1.3");
 	curl_easy_setopt(e, CURLOPT_WRITEFUNCTION, http_discard);
+	curl_easy_setopt(e, CURLOPT_HEADERFUNCTION, http_header_seen);
+	curl_easy_setopt(e, CURLOPT_HEADERDATA, req);
 	curl_easy_setopt(e, CURLOPT_ERRORBUFFER, req->errbuf);
 	curl_easy_setopt(e, CURLOPT_PRIVATE, req);
 	if (curl_multi_add_handle(m, e) != CURLM_OK)
@@ -931,6 +955,13 @@ http_outcome(HttpRequest *req, CURLcode result)
 	}
 	curl_easy_getinfo(req->easy, CURLINFO_RESPONSE_CODE, &status);
 	it->status = (int32) status;
+	if (!req->headers_ended)
+	{
+		/* Cut off: whatever its status line said, it is no answer. */
+		it->outcome = RELAY_FAILED;
+		it->error = psprintf("the answer (HTTP status %ld) ended inside its headers", status);
+		return;
+	}
 	if (status >= 200 && status < 300)
 		it->outcome = RELAY_DELIVERED;
 	else

@@ -758,7 +758,11 @@ idem_outbox_redrive(PG_FUNCTION_ARGS)
 
 /*
  * idem_outbox_redrive_dead(destination, since): redrive every dead letter of
- * a destination, or those whose last attempt was at or after since.
+ * a destination, or those dead-lettered at or after since.  A dead
+ * delivery's next_attempt_at is when it was dead-lettered (the relay
+ * records its outcome there; retention of orphans reads it the same way);
+ * its last_attempt_at, when its last attempt was claimed, may be a
+ * request's whole timeout earlier.
  */
 Datum
 idem_outbox_redrive_dead(PG_FUNCTION_ARGS)
@@ -780,7 +784,7 @@ idem_outbox_redrive_dead(PG_FUNCTION_ARGS)
 					 "       visible_until = NULL"
 					 "  FROM idempotency.destinations d"
 					 " WHERE d.id = x.destination_id AND d.name = $1 AND x.state = 'dead'"
-					 "   AND ($2 IS NULL OR x.last_attempt_at >= $2)",
+					 "   AND ($2 IS NULL OR x.next_attempt_at >= $2)",
 					 2, argtypes, values, nulls, SPI_OK_UPDATE);
 	if (n > 0)
 		outbox_wake_at_commit();

@@ -671,15 +671,65 @@ typedef struct RelayShare
 	int32		avail;			/* due deliveries, up to its room + 1 */
 	TimestampTz oldest;			/* when the oldest of them became due */
 	int32		active;			/* chains the caller holds */
+	TimestampTz ready_at;		/* since when it has waited for room */
 	int32		take;			/* its share */
 } RelayShare;
+
+/*
+ * When each destination's last webhook sent by this relay process finished
+ * (0: none).  A destination waits for room since then, or since its oldest
+ * due delivery became due if that is later; among destinations with as
+ * many requests in flight, the one that has waited longest comes first.  So
+ * a slow endpoint's backlog, however old, waits its turn from when its last
+ * request finished, and a new event of another destination goes ahead of
+ * the requests the slow ones would start after it.
+ */
+typedef struct RelayServed
+{
+	int32		id;				/* hash key */
+	TimestampTz at;
+} RelayServed;
+
+static HTAB *relay_served = NULL;
+
+/* Entries kept at most: past that the table starts again (all "never"). */
+#define RELAY_SERVED_MAX	100000
+
+/* The entry of destination id in relay_served, created (none finished) if missing. */
+static RelayServed *
+relay_served_entry(int32 id)
+{
+	RelayServed *e;
+	bool		found;
+
+	if (relay_served != NULL && hash_get_num_entries(relay_served) >= RELAY_SERVED_MAX)
+	{
+		hash_destroy(relay_served);
+		relay_served = NULL;
+	}
+	if (relay_served == NULL)
+	{
+		HASHCTL		ctl;
+
+		ctl.keysize = sizeof(int32);
+		ctl.entrysize = sizeof(RelayServed);
+		ctl.hcxt = TopMemoryContext;
+		relay_served = hash_create("outbox relay destinations served", 64, &ctl,
+								   HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
+	}
+	e = hash_search(relay_served, &id, HASH_ENTER, &found);
+	if (!found)
+		e->at = 0;
+	return e;
+}
 
 /*
  * Order shares for the claim's bounds: in the worker's loop webhooks first
  * (in-database deliveries never take their room), the destinations with
  * the fewest requests in flight first (a destination with a long backlog
  * cannot keep the others below idempotency.relay_max_in_flight out), then
- * oldest first; in a pass, oldest first.
+ * the one waiting for room longest (see RelayServed), then oldest first; in
+ * a pass, oldest first.
  */
 static bool relay_shares_loop_order;
 
@@ -695,6 +745,8 @@ relay_share_cmp(const void *a, const void *b)
 			return x->http ? -1 : 1;
 		if (x->active != y->active)
 			return x->active < y->active ? -1 : 1;
+		if (x->ready_at != y->ready_at)
+			return x->ready_at < y->ready_at ? -1 : 1;
 	}
 	if (x->oldest != y->oldest)
 		return x->oldest < y->oldest ? -1 : 1;
@@ -753,25 +805,59 @@ relay_takes(int max_events, RelayRooms *rooms, TimestampTz now, RelayShare **sha
 		s->avail = DatumGetInt32(spi_value(tup, 4, 0));
 		s->oldest = DatumGetTimestampTz(spi_value(tup, 5, 0));
 		s->active = relay_rooms_active(rooms, s->id);
+		s->ready_at = rooms->limit && s->http ?
+			Max(relay_served_entry(s->id)->at, s->oldest) : 0;
+		s->take = 0;
 	}
 	relay_shares_loop_order = rooms->limit;
 	qsort(*shares, SPI_processed, sizeof(RelayShare), relay_share_cmp);
+
+	/*
+	 * In the loop, webhooks (first in share order) get their room in turns,
+	 * one delivery per destination and turn, so that when the room left
+	 * below idempotency.relay_max_in_flight is short it goes to as many
+	 * destinations as it can, not to the first one's whole backlog.
+	 */
+	if (rooms->limit)
+	{
+		bool		more = true;
+
+		http_left = Min(http_left, left);
+		while (more && http_left > 0)
+		{
+			more = false;
+			for (uint64 i = 0; i < SPI_processed && http_left > 0; i++)
+			{
+				RelayShare *s = &(*shares)[i];
+
+				if (!s->http || s->take >= Min(s->avail, s->room))
+					continue;
+				s->take++;
+				http_left--;
+				left--;
+				more = true;
+			}
+		}
+	}
 	for (uint64 i = 0; i < SPI_processed; i++)
 	{
 		RelayShare *s = &(*shares)[i];
 
-		s->take = Min(Min(s->avail, s->room), left);
-		if (s->http)
+		if (!(s->http && rooms->limit))
 		{
-			s->take = Min(s->take, http_left);
-			http_left -= s->take;
+			s->take = Min(Min(s->avail, s->room), left);
+			if (s->http)
+			{
+				s->take = Min(s->take, http_left);
+				http_left -= s->take;
+			}
+			else if (rooms->limit)
+			{
+				s->take = Min(s->take, local_left);
+				local_left -= s->take;
+			}
+			left -= s->take;
 		}
-		else if (rooms->limit)
-		{
-			s->take = Min(s->take, local_left);
-			local_left -= s->take;
-		}
-		left -= s->take;
 		*wanted += s->take;
 		/*
 		 * A backlog that relay helpers could share: more due than this
@@ -1484,6 +1570,12 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 		if (it->outcome != RELAY_DELIVERED && it->outcome != RELAY_FAILED &&
 			it->outcome != RELAY_RELEASED && it->outcome != RELAY_ABANDONED)
 			continue;
+		if (it->sent && d->kind == DEST_HTTP)
+		{
+			RelayServed *e = relay_served_entry(d->id);
+
+			e->at = Max(e->at, it->finished_at);
+		}
 		if (it->outcome == RELAY_RELEASED)
 		{
 			/* Not attempted: pending again at once, its attempt given back. */

@@ -179,6 +179,22 @@ SELECT name, options, header_names, secret_count FROM idem_destinations;
 SELECT max_attempts, backoff_base_ms, backoff_cap_ms, timeout_ms FROM idempotency.destinations;
 SELECT idem_destination_alter('nowhere', '{}');
 \echo :SQLSTATE
+-- A name that no destination can have is a bad argument (22023, as in
+-- create), not a missing destination (42704), in every function naming one.
+SELECT idem_destination_alter('', '{}');
+\echo :SQLSTATE
+SELECT idem_destination_pause(repeat('n', 256));
+\echo :SQLSTATE
+SELECT idem_destination_resume('');
+\echo :SQLSTATE
+SELECT idem_destination_drop('');
+\echo :SQLSTATE
+SELECT idem_outbox_redrive_dead('');
+\echo :SQLSTATE
+SELECT idem_outbox_redrive_dead(repeat('n', 256), now());
+\echo :SQLSTATE
+SELECT idem_outbox_redrive(gen_random_uuid(), '');
+\echo :SQLSTATE
 SELECT idem_destination_drop('hook');
 
 -- Redrive needs an event id; the bulk form a destination.

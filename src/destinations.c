@@ -123,6 +123,20 @@ dest_arg(FunctionCallInfo fcinfo, int argno, const char *name)
 }
 
 /*
+ * A destination's name argument: not null (22004), not empty and not over
+ * OUTBOX_MAX_NAME_LEN bytes (22023, as create requires), so that a name no
+ * destination can have is reported as bad, not as missing.
+ */
+static text *
+dest_name_arg(FunctionCallInfo fcinfo, int argno, const char *name)
+{
+	text	   *value = DatumGetTextPP(dest_arg(fcinfo, argno, name));
+
+	outbox_check_name(value, "destination name");
+	return value;
+}
+
+/*
  * A duration option in milliseconds, between min_ms and max_ms: a JSON number
  * of seconds, or a string in interval syntax ('250ms', '5 minutes').
  */
@@ -537,7 +551,7 @@ PG_FUNCTION_INFO_V1(idem_outbox_redrive_dead);
 Datum
 idem_destination_create(PG_FUNCTION_ARGS)
 {
-	text	   *name = DatumGetTextPP(dest_arg(fcinfo, 0, "name"));
+	text	   *name = dest_name_arg(fcinfo, 0, "name");
 	char	   *kind_name = TextDatumGetCString(dest_arg(fcinfo, 1, "kind"));
 	char	   *target = TextDatumGetCString(dest_arg(fcinfo, 2, "target"));
 	ArrayType  *topics = DatumGetArrayTypeP(dest_arg(fcinfo, 3, "topics"));
@@ -552,7 +566,6 @@ idem_destination_create(PG_FUNCTION_ARGS)
 	Datum		values[17];
 	char		nulls[17];
 
-	outbox_check_name(name, "destination name");
 	kind = dest_kind_from_name(kind_name);
 	stored_target = dest_check_target(kind, target, &func);
 	dest_check_topics(topics);
@@ -603,7 +616,7 @@ idem_destination_create(PG_FUNCTION_ARGS)
 Datum
 idem_destination_alter(PG_FUNCTION_ARGS)
 {
-	text	   *name = DatumGetTextPP(dest_arg(fcinfo, 0, "name"));
+	text	   *name = dest_name_arg(fcinfo, 0, "name");
 	Jsonb	   *options = DatumGetJsonbP(dest_arg(fcinfo, 1, "options"));
 	OutboxOwnerState owner;
 	Oid			argtypes[11] = {TEXTOID, JSONBOID, TEXTARRAYOID, INT4OID, INT8OID, INT8OID, INT8OID,
@@ -666,7 +679,7 @@ idem_destination_alter(PG_FUNCTION_ARGS)
 Datum
 idem_destination_drop(PG_FUNCTION_ARGS)
 {
-	text	   *name = DatumGetTextPP(dest_arg(fcinfo, 0, "name"));
+	text	   *name = dest_name_arg(fcinfo, 0, "name");
 	Oid			argtypes[1] = {TEXTOID};
 	Datum		values[1] = {PointerGetDatum(name)};
 
@@ -686,7 +699,7 @@ idem_destination_drop(PG_FUNCTION_ARGS)
 Datum
 idem_destination_pause(PG_FUNCTION_ARGS)
 {
-	text	   *name = DatumGetTextPP(dest_arg(fcinfo, 0, "name"));
+	text	   *name = dest_name_arg(fcinfo, 0, "name");
 	Oid			argtypes[1] = {TEXTOID};
 	Datum		values[1] = {PointerGetDatum(name)};
 
@@ -707,7 +720,7 @@ idem_destination_pause(PG_FUNCTION_ARGS)
 Datum
 idem_destination_resume(PG_FUNCTION_ARGS)
 {
-	text	   *name = DatumGetTextPP(dest_arg(fcinfo, 0, "name"));
+	text	   *name = dest_name_arg(fcinfo, 0, "name");
 	Oid			argtypes[1] = {TEXTOID};
 	Datum		values[1] = {PointerGetDatum(name)};
 
@@ -737,7 +750,8 @@ idem_outbox_redrive(PG_FUNCTION_ARGS)
 	uint64		n;
 
 	values[0] = dest_arg(fcinfo, 0, "event_id");
-	values[1] = PG_ARGISNULL(1) ? (Datum) 0 : PG_GETARG_DATUM(1);
+	values[1] = PG_ARGISNULL(1) ? (Datum) 0 :
+		PointerGetDatum(dest_name_arg(fcinfo, 1, "destination"));
 	nulls[1] = PG_ARGISNULL(1) ? 'n' : ' ';
 	if (!PG_ARGISNULL(1) &&
 		dest_execute("SELECT FROM idempotency.destinations WHERE name = $1",
@@ -772,7 +786,7 @@ idem_outbox_redrive_dead(PG_FUNCTION_ARGS)
 	char		nulls[2] = {' ', ' '};
 	uint64		n;
 
-	values[0] = dest_arg(fcinfo, 0, "destination");
+	values[0] = PointerGetDatum(dest_name_arg(fcinfo, 0, "destination"));
 	values[1] = PG_ARGISNULL(1) ? (Datum) 0 : PG_GETARG_DATUM(1);
 	nulls[1] = PG_ARGISNULL(1) ? 'n' : ' ';
 	if (dest_execute("SELECT FROM idempotency.destinations WHERE name = $1",

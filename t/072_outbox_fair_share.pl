@@ -11,10 +11,11 @@
 # with as many in flight the one served longest ago comes first.
 #
 # README ("Webhooks: one endpoint never holds up another"): an endpoint
-# that takes long to answer "holds up only its own deliveries"; "the
-# destinations with the fewest requests in flight served first, so a long
-# backlog cannot keep the others out"; t/032 measured a healthy endpoint
-# receiving each webhook within 2 s of its commit with three slow ones busy.
+# that takes long to answer "holds up only its own deliveries"; the room
+# "goes round the destinations one request per destination and turn", "so
+# a long backlog cannot keep the others out" (the claim, under "How the
+# relay works"); t/032 measured a healthy endpoint receiving each webhook
+# within 2 s of its commit with three slow ones busy.
 #
 # Here 80 slow endpoints (2 s per answer, all settings at their defaults:
 # max_in_flight 16, relay_max_in_flight 64) have 6 events each: more

@@ -25,10 +25,18 @@
 #   BENCH_EVENTS=20000 BENCH_ROUNDS=1 BENCH_LATENCY_SECONDS=5 bash bench/relay.sh   # smoke run
 #   BENCH_PARTS=throughput BENCH_KINDS=hook bash bench/relay.sh   # webhook throughput only
 #
+# 3. Many destinations (BENCH_PARTS=destinations, not run by default): the
+#    worker's CPU time per webhook at a steady BENCH_DESTS_RATE events/s
+#    (default 200) to one healthy destination, (a) with the destinations
+#    above only and (b) with BENCH_IDLE_DESTS (default 1000) more http
+#    destinations that are active but have nothing to deliver, side by
+#    side in alternating rounds, with the ratio (b) / (a): what idle
+#    destinations cost the relay's claims.
+#
 # BENCH_PARTS (default "latency throughput") and BENCH_KINDS (default "hook
 # fn chan": http, function and notify) choose what runs; BENCH_PERF=DIR
 # records a perf profile of the relay processes during each http drain
-# into DIR (perf from Debian's linux-perf).
+# and each steady phase of part 3 into DIR (perf from Debian's linux-perf).
 #
 # Runs as root: installs nginx-light and wrk if missing (Debian packages),
 # builds and installs the extension (IDEM_DESTDIR=/tmp/x installs it into a
@@ -62,6 +70,9 @@ BACKLOG=${BENCH_NEIGHBOUR_BACKLOG:-2000}
 PARTS=${BENCH_PARTS:-latency throughput}
 KINDS=${BENCH_KINDS:-hook fn chan}
 PERF_DIR=${BENCH_PERF:-}
+IDLE_DESTS=${BENCH_IDLE_DESTS:-1000}
+DESTS_RATE=${BENCH_DESTS_RATE:-200}
+DESTS_SECS=${BENCH_DESTS_SECONDS:-10}
 SLOW_SECS=5
 PORT=${BENCH_PORT:-5760}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -316,7 +327,7 @@ worker_ticks() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }
 # http destination drains (the helpers that start later are not followed).
 PERF_PID=
 perf_start() {
-	[ -n "$PERF_DIR" ] && [ "$1" = hook ] || return 0
+	[ -n "$PERF_DIR" ] && [ "$1" != fn ] && [ "$1" != chan ] || return 0
 	local pids
 	pids=$(sql -c "SELECT string_agg(pid::text, ',') FROM pg_stat_activity
 		WHERE backend_type IN ('idempotency cleanup', 'idempotency relay')")
@@ -521,6 +532,60 @@ for ((round = 1; round <= ROUNDS; round++)); do
 	measure_kind chan 2
 done
 
+echo "== many destinations: $DESTS_RATE events/s for ${DESTS_SECS}s to one destination, with and without $IDLE_DESTS idle ones"
+declare -A DCPU=() DN=()
+# idle_dests N: make the number of idle http destinations N (created active,
+# no event ever routed to them; dropped again for N = 0).
+idle_dests() {
+	if (($1 > 0)); then
+		sql >/dev/null -c "SELECT idem_destination_create('idle' || g, 'http',
+			'http://127.0.0.1:$HTTP_PORT/idle/' || g, ARRAY['idle' || g || '.*'],
+			'{\"secret\": \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"}')
+			FROM generate_series(1, $1) g"
+	else
+		sql >/dev/null -c "SELECT idem_destination_drop(name) FROM idempotency.destinations WHERE name LIKE 'idle%'"
+	fi
+	settle
+}
+# steady PHASE: DESTS_RATE events/s to 'few' for DESTS_SECS s (pgbench
+# --rate), until all are delivered; adds the worker's CPU time to PHASE.
+steady() {
+	local wpid c0 c1 out n
+	wpid=$(sql -c "SELECT pid FROM pg_stat_activity WHERE backend_type = 'idempotency cleanup'")
+	echo "SELECT idem_publish('few.$1', '{\"amount\": 10, \"currency\": \"EUR\", \"order\": 123456}'::jsonb);" \
+		>"$WORK/few.sql"
+	chown postgres: "$WORK/few.sql"
+	c0=$(worker_ticks "$wpid")
+	perf_start "$1"
+	out=$(as_pg "$BIN/pgbench" -n -M prepared -R "$DESTS_RATE" -T "$DESTS_SECS" -c 2 -j 2 \
+		-h "$WORK" -p "$PORT" -U postgres -f "$WORK/few.sql" postgres 2>&1) \
+		|| { echo "$out" >&2; exit 1; }
+	wait_until "steady events delivered" 120 few_delivered
+	c1=$(worker_ticks "$wpid")
+	perf_stop
+	n=$(echo "$out" | sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p')
+	DCPU[$1]=$(( ${DCPU[$1]:-0} + c1 - c0 ))
+	DN[$1]=$(( ${DN[$1]:-0} + n ))
+	printf '   %-10s %6d events, worker CPU %7.1f us/event\n' "$1" "$n" \
+		"$(awk -v c="$((c1 - c0))" -v n="$n" -v hz="$(getconf CLK_TCK)" 'BEGIN { print c * 1e6 / hz / n }')"
+}
+few_delivered() {
+	[ "$(sql -c "SELECT count(*) FROM idempotency.deliveries d JOIN idempotency.destinations t
+		ON t.id = d.destination_id WHERE t.name = 'few' AND d.state <> 'delivered'")" = 0 ]
+}
+if [[ " $PARTS " == *" destinations "* ]]; then
+	sql >/dev/null -c "SELECT idem_destination_create('few', 'http', 'http://127.0.0.1:$HTTP_PORT/few', '{few.*}',
+		'{\"secret\": \"whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\"}')"
+	relay_workers 1
+	for ((round = 1; round <= 2; round++)); do
+		if ((round % 2)); then
+			steady alone; idle_dests "$IDLE_DESTS"; steady idle; idle_dests 0
+		else
+			idle_dests "$IDLE_DESTS"; steady idle; idle_dests 0; steady alone
+		fi
+	done
+fi
+
 rate() { awk -v n="${COUNT[$1]:-0}" -v s="${SECS[$1]:-0}" 'BEGIN { if (s > 0) printf "%.0f", n / s; else printf "-" }'; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a != "-" && b != "-" && b > 0) printf "%.2f", a / b; else printf "-" }'; }
 HTTP1=$(rate hook-w1)
@@ -567,3 +632,13 @@ line "ratio http (2 workers) / wrk -t1" "$(ratio "$HTTP2" "$WRK1")" "information
 line "ratio http (2 workers) / wrk -t2" "$(ratio "$HTTP2" "$WRK2")" "information"
 line "ratio libcurl alone, 1 process / wrk -t1" "$(ratio "$FLOOR1" "$WRK1")" "information"
 line "ratio libcurl alone, 2 processes / wrk -t1" "$(ratio "$FLOOR2" "$WRK1")" "information"
+if [[ " $PARTS " == *" destinations "* ]]; then
+	hz=$(getconf CLK_TCK)
+	per() { awk -v c="${DCPU[$1]}" -v n="${DN[$1]}" -v hz="$hz" 'BEGIN { printf "%.1f", c * 1e6 / hz / n }'; }
+	echo
+	echo "many destinations, worker CPU per webhook at $DESTS_RATE events/s (both rounds):"
+	line "(a) one busy destination among $(sql -c "SELECT count(*) FROM idempotency.destinations WHERE name NOT LIKE 'idle%'")" "$(per alone)" "us/event"
+	line "(b) the same with $IDLE_DESTS idle destinations more" "$(per idle)" "us/event"
+	DR=$(ratio "$(per idle)" "$(per alone)")
+	line "ratio (b) / (a)" "$DR" "target <= 1.5  $(judge "$DR" '<=' 1.5)"
+fi

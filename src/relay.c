@@ -139,16 +139,23 @@ static bool relay_sigint_installed = false;
 static bool relay_timeout_registered = false;
 static TimeoutId relay_timeout_id;
 
-/* Prepare a statement once per backend and keep it. */
+/*
+ * Prepare a statement once per backend and keep it, with a generic plan:
+ * planned once, not at every execution.  The relay's statements are shaped
+ * so that one plan suits every batch (see relay_plan_settings), and under
+ * plan_cache_mode "auto" the plan cache kept planning a custom plan for
+ * each execution of most of them -- at a few webhooks per iteration, more
+ * than a quarter of the worker's CPU went to the planner.
+ */
 SPIPlanPtr
 relay_prepare(SPIPlanPtr *plan, const char *sql, int nargs, Oid *argtypes)
 {
 	if (*plan == NULL)
 	{
-		SPIPlanPtr	p = SPI_prepare(sql, nargs, argtypes);
+		SPIPlanPtr	p = SPI_prepare_cursor(sql, nargs, argtypes, CURSOR_OPT_GENERIC_PLAN);
 
 		if (p == NULL)
-			elog(ERROR, "SPI_prepare failed: %s", SPI_result_code_string(SPI_result));
+			elog(ERROR, "SPI_prepare_cursor failed: %s", SPI_result_code_string(SPI_result));
 		if (SPI_keepplan(p) != 0)
 			elog(ERROR, "SPI_keepplan failed");
 		*plan = p;
@@ -297,24 +304,50 @@ spi_value(HeapTuple tuple, int col, Datum def)
 }
 
 /*
- * Load the destinations into cxt.  Secrets are decoded once per pass and
- * live only in the pass's memory.
+ * Load the destinations of the n claimed items into cxt: only those, so
+ * that a claim costs the same however many destinations have nothing to
+ * deliver.  Secrets are decoded once per claim and live only in the
+ * claim's memory.
  */
 List *
-relay_load_dests(MemoryContext cxt)
+relay_load_dests(MemoryContext cxt, RelayItem **items, int n)
 {
 	List	   *dests = NIL;
 	SPIPlanPtr	plan;
+	Datum	   *ids;
+	int			nids = 0;
+	Oid			argtypes[1] = {INT4ARRAYOID};
+	Datum		values[1];
+	int			save_nestlevel;
+	int			rc;
 
+	if (n == 0)
+		return NIL;
+	ids = palloc(sizeof(Datum) * n);
+	for (int i = 0; i < n; i++)
+	{
+		int			j;
+
+		for (j = 0; j < nids; j++)
+			if (DatumGetInt32(ids[j]) == items[i]->dest_id)
+				break;
+		if (j == nids)
+			ids[nids++] = Int32GetDatum(items[i]->dest_id);
+	}
 	plan = relay_prepare(&dests_plan,
 						 "SELECT id, name, kind, target, func, run_as, search_path, secrets,"
 						 "       headers, max_attempts, backoff_base_ms, backoff_cap_ms, timeout_ms,"
 						 "       options @> '{\"reference\": true}',"
 						 "       max_in_flight, connect_timeout_ms, failure_threshold, disable_after_ms,"
 						 "       circuit = 'open', consecutive_failures, paced_until"
-						 "  FROM idempotency.destinations",
-						 0, NULL);
-	if (SPI_execute_plan(plan, NULL, NULL, false, 0) != SPI_OK_SELECT)
+						 "  FROM idempotency.destinations WHERE id = ANY ($1)",
+						 1, argtypes);
+	values[0] = relay_array(ids, NULL, nids, INT4OID);
+	/* By primary key: a plan for a table without statistics reads them all. */
+	save_nestlevel = relay_plan_settings();
+	rc = SPI_execute_plan(plan, values, NULL, false, 0);
+	AtEOXact_GUC(true, save_nestlevel);
+	if (rc != SPI_OK_SELECT)
 		elog(ERROR, "could not read the outbox destinations");
 
 	for (uint64 i = 0; i < SPI_processed; i++)
@@ -402,8 +435,10 @@ relay_item_cmp(const void *a, const void *b)
  * for (1 in the worker's loop, which claims only what it can send at once);
  * each delivery's deadline is $3 plus $4 times its own destination's
  * timeout.  The statement defines "picked" (the deliveries to claim: tid,
- * their current row version, and interrupted: whether the previous
- * attempt's outcome was never recorded).
+ * their current row version; destination_id; and interrupted: whether the
+ * previous attempt's outcome was never recorded).  Each delivery's
+ * destination is looked up by id too: a join would read every destination
+ * for every claim.
  *
  * Every access to the deliveries and the outbox goes through a row's TID or
  * a lookup by key in a LATERAL subquery with LIMIT 1, which the planner can
@@ -427,15 +462,18 @@ relay_item_cmp(const void *a, const void *b)
 	"        visible_until = $1 + ($3 + $4 * t.timeout_ms) * interval '1 ms'," \
 	"        first_attempt_at = coalesce(d.first_attempt_at, $1)," \
 	"        last_attempt_at = $1" \
-	"   FROM picked, idempotency.destinations t" \
+	"   FROM picked, LATERAL (SELECT t.timeout_ms FROM idempotency.destinations t" \
+	"                          WHERE t.id = picked.destination_id LIMIT 1) t" \
 	"  WHERE d.ctid = ANY (ARRAY(SELECT p.tid FROM picked p))" \
-	"    AND d.ctid = picked.tid AND t.id = d.destination_id" \
+	"    AND d.ctid = picked.tid" \
 	" RETURNING d.event_id, d.destination_id, d.attempts, d.seq, picked.interrupted, d.key," \
 	"           d.claims, d.next_attempt_at AS claimed_until)" \
 	" SELECT c.event_id, c.destination_id, c.attempts, c.seq, c.interrupted," \
 	"        x.topic, x.published_at, x.body, x.envelope, x.headers, c.key," \
 	"        c.claimed_until, c.claims, t.kind = 'http'" \
-	"   FROM claimed c JOIN idempotency.destinations t ON t.id = c.destination_id," \
+	"   FROM claimed c," \
+	"   LATERAL (SELECT t.kind, t.options FROM idempotency.destinations t" \
+	"             WHERE t.id = c.destination_id LIMIT 1) t," \
 	"   LATERAL (" \
 	"    SELECT o.topic, o.published_at," \
 	"      CASE WHEN t.kind = 'http' THEN o.payload::text" \
@@ -524,7 +562,27 @@ relay_read_claimed(MemoryContext cxt, RelayItem **items, int n)
 #define HEADS_BEYOND_MS	1000
 
 /*
- * Each destination that may take deliveries now: its room ($2 for in-database
+ * The destinations that have pending deliveries, as a recursive CTE "busy":
+ * one descent of deliveries_due_by_destination per such destination (a
+ * loose index scan), so that what a claim or the schedule reads grows with
+ * the destinations that have something to deliver, not with all of them:
+ * with 1,000 idle destinations, visiting each one cost a claim more than
+ * the webhook it sent.  Statements that use it reach each destination's row
+ * through a LATERAL lookup by id.
+ */
+#define BUSY_DESTS \
+	"WITH RECURSIVE busy(id) AS (" \
+	" SELECT (SELECT d.destination_id FROM idempotency.deliveries d" \
+	"          WHERE d.state = 'pending' ORDER BY d.destination_id LIMIT 1)" \
+	" UNION ALL" \
+	" SELECT (SELECT d.destination_id FROM idempotency.deliveries d" \
+	"          WHERE d.state = 'pending' AND d.destination_id > b.id" \
+	"          ORDER BY d.destination_id LIMIT 1)" \
+	"   FROM busy b WHERE b.id IS NOT NULL)"
+
+/*
+ * Each destination that may take deliveries now (of those with pending
+ * deliveries, BUSY_DESTS): its room ($2 for in-database
  * destinations and, when $3 is false, for webhooks too; one request while
  * its circuit is open; else its max_in_flight; less the chains the caller
  * holds, $4 and $5), the number of its due deliveries up to one more than
@@ -532,16 +590,17 @@ relay_read_claimed(MemoryContext cxt, RelayItem **items, int n)
  * destination without room reads nothing (LIMIT 0).
  */
 #define ROOMS_SQL \
-	"SELECT r.id, r.http, r.room, o.avail, o.oldest FROM (" \
+	BUSY_DESTS \
+	" SELECT r.id, r.http, r.room, o.avail, o.oldest FROM busy b, LATERAL (" \
 	" SELECT t.id, t.kind = 'http' AS http," \
 	"        CASE WHEN t.kind <> 'http' THEN $2 WHEN t.circuit = 'open' THEN 1" \
 	"             WHEN $3 THEN t.max_in_flight ELSE $2 END" \
 	"        - coalesce((SELECT a.n FROM unnest($4::int4[], $5::int4[]) AS a(id, n)" \
 	"                     WHERE a.id = t.id LIMIT 1), 0) AS room" \
 	"   FROM idempotency.destinations t" \
-	"  WHERE NOT t.paused AND t.disabled_at IS NULL" \
+	"  WHERE t.id = b.id AND NOT t.paused AND t.disabled_at IS NULL" \
 	"    AND (t.paced_until IS NULL OR t.paced_until <= $1)" \
-	"    AND (t.circuit <> 'open' OR t.next_probe_at <= $1)) r," \
+	"    AND (t.circuit <> 'open' OR t.next_probe_at <= $1) LIMIT 1) r," \
 	" LATERAL (SELECT count(*)::int4 AS avail, min(w.next_attempt_at) AS oldest FROM (" \
 	"   SELECT d.next_attempt_at FROM idempotency.deliveries d" \
 	"    WHERE d.destination_id = r.id AND d.state = 'pending' AND d.next_attempt_at <= $1" \
@@ -561,8 +620,8 @@ relay_read_claimed(MemoryContext cxt, RelayItem **items, int n)
 	"   FROM unnest($5::int4[], $6::int4[]) AS k(id, take)" \
 	HEADS_WINDOW_JOIN "),"\
 	" picked AS MATERIALIZED (" \
-	" SELECT c.tid, c.interrupted FROM takes k, LATERAL (" \
-	"   SELECT d.ctid AS tid, d.visible_until IS NOT NULL AS interrupted" \
+	" SELECT c.tid, c.destination_id, c.interrupted FROM takes k, LATERAL (" \
+	"   SELECT d.ctid AS tid, d.destination_id, d.visible_until IS NOT NULL AS interrupted" \
 	"     FROM idempotency.deliveries d" \
 	"    WHERE d.destination_id = k.id AND d.state = 'pending' AND d.next_attempt_at <= $1" \
 	"      AND (d.next_attempt_at, d.seq) <= (k.win_at, k.win_seq)" \
@@ -968,7 +1027,7 @@ relay_claim_followers(int room, int waves, TimestampTz now, MemoryContext cxt,
 						 " SELECT * FROM unnest($5::int4[], $6::text[], $7::int8[])"
 						 "   AS h(destination_id, key, seq)),"
 						 " chained AS ("
-						 " SELECT f.tid, f.interrupted, f.pos,"
+						 " SELECT f.tid, f.destination_id, f.interrupted, f.pos,"
 						 "        bool_and(f.due) OVER (PARTITION BY f.destination_id, f.key"
 						 "                              ORDER BY f.seq) AS unbroken"
 						 "   FROM heads h, LATERAL ("
@@ -982,7 +1041,7 @@ relay_claim_followers(int room, int waves, TimestampTz now, MemoryContext cxt,
 						 "                   AND e.seq > h.seq AND e.state <> 'delivered'"
 						 "                 ORDER BY e.seq LIMIT $8) e) f),"
 						 " picked AS MATERIALIZED ("
-						 " SELECT tid, interrupted FROM chained"
+						 " SELECT tid, destination_id, interrupted FROM chained"
 						 "  WHERE unbroken ORDER BY pos LIMIT $2)"
 						 CLAIM_UPDATE,
 						 8, argtypes);
@@ -1866,7 +1925,7 @@ relay_pass(int max_events)
 		/* HTTP requests go out in waves of http_max_in_flight(). */
 		n = relay_claim(max_events, (max_events + http_max_in_flight() - 1) / http_max_in_flight(),
 						&rooms, claimed_at, passcxt, &items, &backlog);
-		dests = relay_load_dests(passcxt);
+		dests = relay_load_dests(passcxt, items, n);
 		for (int i = 0; i < n; i++)
 			items[i]->dest = relay_find_dest(dests, items[i]->dest_id);
 		relay_abandon_interrupted(items, n, passcxt);
@@ -2018,9 +2077,10 @@ bgworker_run_guarded(const char *what, void (*unit) (void *arg), void *arg)
 }
 
 /*
- * See relay.h.  Each destination's earliest pending delivery is one probe
- * of deliveries_due_by_destination: a full destination's due backlog,
- * however large, is never walked.
+ * See relay.h.  Only the destinations with pending deliveries are read
+ * (BUSY_DESTS), and each one's earliest pending delivery is one probe of
+ * deliveries_due_by_destination: a full destination's due backlog, however
+ * large, is never walked.
  */
 TimestampTz
 relay_next_due_except(int32 *full, int nfull)
@@ -2040,22 +2100,25 @@ relay_next_due_except(int32 *full, int nfull)
 	if (!relay_step_begin(&step, "idempotency relay: next due", true))
 		return 0;
 	plan = relay_prepare(&next_due_plan,
-						 "SELECT least("
+						 BUSY_DESTS
+						 ", t AS MATERIALIZED ("
+						 " SELECT x.* FROM busy b, LATERAL ("
+						 "   SELECT t.id, t.paced_until, t.circuit, t.next_probe_at"
+						 "     FROM idempotency.destinations t"
+						 "    WHERE t.id = b.id AND NOT t.paused AND t.disabled_at IS NULL"
+						 "      AND t.id <> ALL ($2) LIMIT 1) x)"
+						 " SELECT least("
 						 " (SELECT min(n.at)"
-						 "    FROM idempotency.destinations t,"
+						 "    FROM t,"
 						 "    LATERAL (SELECT d.next_attempt_at AS at FROM idempotency.deliveries d"
 						 "              WHERE d.state = 'pending' AND d.destination_id = t.id"
 						 "              ORDER BY d.next_attempt_at, d.seq LIMIT 1) n"
-						 "   WHERE NOT t.paused AND t.disabled_at IS NULL"
-						 "     AND (t.paced_until IS NULL OR t.paced_until <= $1)"
-						 "     AND (t.circuit <> 'open' OR t.next_probe_at <= $1)"
-						 "     AND t.id <> ALL ($2)),"
+						 "   WHERE (t.paced_until IS NULL OR t.paced_until <= $1)"
+						 "     AND (t.circuit <> 'open' OR t.next_probe_at <= $1)),"
 						 " (SELECT min(greatest(t.paced_until,"
 						 "                      CASE WHEN t.circuit = 'open' THEN t.next_probe_at END))"
-						 "    FROM idempotency.destinations t"
-						 "   WHERE NOT t.paused AND t.disabled_at IS NULL"
-						 "     AND (t.paced_until > $1 OR (t.circuit = 'open' AND t.next_probe_at > $1))"
-						 "     AND t.id <> ALL ($2)))",
+						 "    FROM t"
+						 "   WHERE t.paced_until > $1 OR (t.circuit = 'open' AND t.next_probe_at > $1)))",
 						 2, argtypes);
 	ids = palloc(sizeof(Datum) * Max(nfull, 1));
 	for (int i = 0; i < nfull; i++)

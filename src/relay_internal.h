@@ -59,7 +59,7 @@ extern Datum spi_value(HeapTuple tuple, int col, Datum def);
 extern Datum relay_array(Datum *values, bool *nulls, int n, Oid typid);
 
 /* relay.c: claiming */
-extern List *relay_load_dests(MemoryContext cxt);
+extern List *relay_load_dests(MemoryContext cxt, RelayItem **items, int n);
 extern RelayDest *relay_find_dest(List *dests, int32 id);
 extern void relay_rooms_count(RelayRooms *rooms, int32 id);
 extern void relay_rooms_block(RelayRooms *rooms, int32 id);

@@ -501,7 +501,7 @@ relay_loop_claim(int max_events, int64 *attempted, TimestampTz *due, bool *backl
 	n = relay_claim(max_events, 1, &rooms, now, batch->cxt, &items, backlog);
 	if (n > 0)
 	{
-		List	   *dests = relay_load_dests(batch->cxt);
+		List	   *dests = relay_load_dests(batch->cxt, items, n);
 
 		for (int i = 0; i < n; i++)
 		{

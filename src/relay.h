@@ -80,6 +80,15 @@ extern void relay_loop_look_again(void);
 extern int	relay_loop_in_flight(void);
 
 /*
+ * Whether the relay loop holds claims it has not settled: webhooks in
+ * flight or waiting behind their key, function and notify deliveries not
+ * made yet, or outcomes not recorded yet.  A relay process that exits
+ * holding them leaves them to run out and to be taken for interrupted
+ * attempts.
+ */
+extern bool relay_loop_holds_claims(void);
+
+/*
  * Run unit(arg), a piece of a background worker's work (a relay pass, a
  * cleanup pass), so that an error ends only that piece: the error is
  * logged with what as its context, the transaction is aborted, and false

@@ -209,11 +209,12 @@ relay_helper_wait(TimestampTz wake_at, long max_ms)
 /*
  * Main function of a relay helper: the worker's relay loop (relay_loop_run),
  * so that a slow endpoint holds up only its own deliveries here as well.
- * The helper stays while the loop claims full batches or has webhooks in
- * flight; once it has neither for HELPER_LINGER_MS, it exits.  When
- * dismissed it claims nothing more, waits for the outcomes of the requests
- * it has in flight (each within its destination's timeout) and records
- * them, then exits.  An iteration that fails is logged; its requests are
+ * The helper stays while the loop claims full batches or holds claims it
+ * has not settled (webhooks in flight, function and notify deliveries not
+ * made yet, outcomes not recorded yet); once it has neither for
+ * HELPER_LINGER_MS, it exits.  When dismissed it claims nothing more,
+ * settles what it holds (each request within its destination's timeout),
+ * then exits.  An iteration that fails is logged; its requests are
  * abandoned (their claims expire and are taken again), and the helper goes
  * on as after an iteration that was not full.
  */
@@ -247,8 +248,8 @@ idem_relay_helper_main(Datum main_arg)
 		CHECK_FOR_INTERRUPTS();
 		if (dismissed)
 		{
-			/* Only the outcomes of what is in flight, then go. */
-			if (relay_loop_in_flight() == 0)
+			/* Only what it holds (in flight, to make, to record), then go. */
+			if (!relay_loop_holds_claims())
 				break;
 			iter.max_events = 0;
 		}
@@ -260,7 +261,8 @@ idem_relay_helper_main(Datum main_arg)
 			continue;
 		}
 		now = GetCurrentTimestamp();
-		if (relay_loop_in_flight() > 0)
+		/* Never gone with claims unsettled: they would count as interrupted. */
+		if (relay_loop_holds_claims())
 		{
 			idle_since = 0;
 			relay_helper_wait(iter.wake_at, HELPER_LINGER_MS);

@@ -953,3 +953,10 @@ relay_loop_in_flight(void)
 {
 	return http_async_in_flight();
 }
+
+/* See relay.h. */
+bool
+relay_loop_holds_claims(void)
+{
+	return relay_loop.nheld > 0 || relay_loop.nlocal > 0 || relay_loop.ndone > 0;
+}

@@ -109,6 +109,7 @@ static SPIPlanPtr rooms_plan = NULL;
 static SPIPlanPtr followers_plan = NULL;
 static SPIPlanPtr dests_plan = NULL;
 static SPIPlanPtr lock_plan = NULL;
+static SPIPlanPtr still_ours_plan = NULL;
 static SPIPlanPtr renew_plan = NULL;
 static SPIPlanPtr record_plan = NULL;
 static SPIPlanPtr held_plan = NULL;
@@ -1187,11 +1188,62 @@ relay_array(Datum *values, bool *nulls, int n, Oid typid)
 }
 
 /*
+ * Of the n items skipped (not sent or made), mark row_held those whose
+ * claim still stands: another session held the row, and they are to be
+ * given back once it is free, not left to be taken for interrupted attempts.
+ */
+static void
+relay_mark_held(RelayItem **items, int n)
+{
+	Oid			argtypes[3] = {UUIDARRAYOID, INT4ARRAYOID, INT8ARRAYOID};
+	Datum		values[3];
+	Datum	   *ids;
+	Datum	   *dests;
+	Datum	   *claims;
+	SPIPlanPtr	plan;
+	int			save_nestlevel;
+	int			rc;
+
+	if (n == 0)
+		return;
+	ids = palloc(sizeof(Datum) * n);
+	dests = palloc(sizeof(Datum) * n);
+	claims = palloc(sizeof(Datum) * n);
+	for (int i = 0; i < n; i++)
+	{
+		ids[i] = UUIDPGetDatum(&items[i]->event_id);
+		dests[i] = Int32GetDatum(items[i]->dest_id);
+		claims[i] = Int64GetDatum(items[i]->claim);
+	}
+	plan = relay_prepare(&still_ours_plan,
+						 "SELECT r.n"
+						 "  FROM unnest($1::uuid[], $2::int4[], $3::int8[]) WITH ORDINALITY"
+						 "       AS r(event_id, destination_id, claims, n)"
+						 " WHERE (SELECT e.claims FROM idempotency.deliveries e"
+						 "         WHERE e.event_id = r.event_id AND e.destination_id = r.destination_id"
+						 "           AND e.state = 'pending' LIMIT 1) = r.claims",
+						 3, argtypes);
+	values[0] = relay_array(ids, NULL, n, UUIDOID);
+	values[1] = relay_array(dests, NULL, n, INT4OID);
+	values[2] = relay_array(claims, NULL, n, INT8OID);
+	save_nestlevel = relay_plan_settings();
+	rc = SPI_execute_plan(plan, values, NULL, false, 0);
+	AtEOXact_GUC(true, save_nestlevel);
+	if (rc != SPI_OK_SELECT)
+		elog(ERROR, "could not read claimed outbox deliveries");
+	for (uint64 i = 0; i < SPI_processed; i++)
+		items[DatumGetInt64(spi_value(SPI_tuptable->vals[i], 1, 0)) - 1]->row_held = true;
+}
+
+/*
  * Step 3a: lock the in-database deliveries again and drop those whose claim
  * no longer stands (a relay that took over after our visibility deadline, or
  * a delivery that is no longer pending) or whose row another session holds
- * (never waited for: the worker's loop would stall for every destination;
- * the delivery is claimed again once its claim runs out).  In the caller's
+ * (never waited for: the worker's loop would stall for every destination).
+ * Those held while our claim stands are marked row_held: they were not
+ * attempted, and the loop gives them back once the row is free (a claim
+ * left to run out would count as an interrupted attempt, and dead-letter a
+ * delivery on its last attempt that was never made).  In the caller's
  * transaction the rows are still ours and this finds them all.
  */
 void
@@ -1203,6 +1255,7 @@ relay_relock(RelayItem **items, int n, bool *any)
 	Datum	   *claims = palloc(sizeof(Datum) * n);
 	RelayItem **mine = palloc(sizeof(RelayItem *) * n);
 	int			m = 0;
+	int			k;
 	Datum		values[3];
 	SPIPlanPtr	plan;
 	int			save_nestlevel;
@@ -1247,14 +1300,15 @@ relay_relock(RelayItem **items, int n, bool *any)
 	for (int i = 0; i < m; i++)
 		mine[i]->outcome = RELAY_SKIPPED;
 	for (uint64 i = 0; i < SPI_processed; i++)
-	{
-		int64		k = DatumGetInt64(spi_value(SPI_tuptable->vals[i], 1, 0));
-
-		mine[k - 1]->outcome = RELAY_PENDING;
-	}
+		mine[DatumGetInt64(spi_value(SPI_tuptable->vals[i], 1, 0)) - 1]->outcome = RELAY_PENDING;
+	k = 0;
 	for (int i = 0; i < m; i++)
 		if (mine[i]->outcome == RELAY_SKIPPED)
+		{
 			relay_release_chain(mine[i]);
+			mine[k++] = mine[i];
+		}
+	relay_mark_held(mine, k);
 }
 
 /*
@@ -1266,7 +1320,8 @@ relay_relock(RelayItem **items, int n, bool *any)
  * or its destination was dropped) is not sent if it has not been, nor is
  * the rest of its chain; nor is one whose row another session holds
  * (an operator's SELECT ... FOR UPDATE): waiting for it would stall the
- * worker's loop for every destination.  Runs in a short transaction of its own; called
+ * worker's loop for every destination (it is marked row_held, see
+ * relay_mark_held).  Runs in a short transaction of its own; called
  * while no transaction is open, with requests in flight (http_deliver).
  */
 void
@@ -1283,6 +1338,7 @@ relay_renew_claims(RelayItem **items, int n, RelayLease *lease)
 	RelayItem **mine;
 	bool	   *renewed;
 	int			m = 0;
+	int			k;
 	RelayStep	step;
 	SPIPlanPtr	plan;
 	int			save_nestlevel;
@@ -1354,12 +1410,15 @@ relay_renew_claims(RelayItem **items, int n, RelayLease *lease)
 		for (uint64 i = 0; i < SPI_processed; i++)
 			renewed[DatumGetInt64(spi_value(SPI_tuptable->vals[i], 1, 0)) - 1] = true;
 
+		k = 0;
 		for (int j = 0; j < m; j++)
 			if (!renewed[j] && mine[j]->outcome == RELAY_PENDING && !mine[j]->sent)
 			{
 				mine[j]->outcome = RELAY_SKIPPED;
 				relay_release_chain(mine[j]);
+				mine[k++] = mine[j];
 			}
+		relay_mark_held(mine, k);
 	}
 	relay_step_end(&step);
 	MemoryContextSwitchTo(cxt);

@@ -88,6 +88,8 @@ typedef struct RelayItem
 
 	TimestampTz claimed_until;	/* the visibility deadline the claim set */
 	bool		sent;			/* http: its request has started */
+	bool		row_held;		/* not made: another session held its row, our
+								 * claim still standing (relay_relock) */
 	bool		is_http;		/* its destination was of kind 'http' when claimed */
 	void	   *batch;			/* relay.c's loop: the claim it came with */
 	int64		retry_after_ms; /* http: a 429 or 503 asked for this delay, or -1 */

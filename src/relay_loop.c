@@ -185,6 +185,22 @@ relay_loop_finished(RelayItem *it)
 		}
 }
 
+/*
+ * A claimed delivery not sent or made because another session held its row
+ * (row_held) is given back: its outcome joins done, recorded once the row
+ * is free.  Left to its claim, it would be taken for an interrupted attempt.
+ */
+static bool
+relay_loop_give_back_held(RelayItem *it)
+{
+	if (it->outcome != RELAY_SKIPPED || !it->row_held)
+		return false;
+	it->row_held = false;
+	it->outcome = RELAY_RELEASED;
+	relay_loop_push_done(it);
+	return true;
+}
+
 /* Drop from held what is no longer pending (recorded, or not ours any more). */
 static void
 relay_loop_compact(void)
@@ -198,7 +214,10 @@ relay_loop_compact(void)
 		if (it->outcome == RELAY_PENDING)
 			relay_loop.held[k++] = it;
 		else
+		{
+			(void) relay_loop_give_back_held(it);
 			relay_loop_release_batch(it);
+		}
 	}
 	relay_loop.nheld = k;
 }
@@ -685,7 +704,11 @@ relay_loop_local_slice(void)
 													   RELAY_LOCAL_SLICE_MS / 2))
 		relay_loop.slice_size = Min(relay_loop.slice_size * 2, relay_batch_size);
 
-	/* What was made, given back or is no longer ours leaves local. */
+	/*
+	 * What was made, given back or is no longer ours leaves local.  One whose
+	 * row another session held was not made: it is given back, recorded
+	 * once the row is free (see relay_loop_record_in_step).
+	 */
 	for (int i = 0; i < relay_loop.nlocal; i++)
 	{
 		RelayItem  *it = relay_loop.local[i];
@@ -694,6 +717,7 @@ relay_loop_local_slice(void)
 			relay_loop.local[k++] = it;
 		else
 		{
+			(void) relay_loop_give_back_held(it);
 			if (it->outcome == RELAY_DELIVERED || it->outcome == RELAY_FAILED)
 				attempted++;
 			relay_loop_release_batch(it);
@@ -716,7 +740,10 @@ relay_loop_abandon(void)
 	relay_loop.claiming = NULL;
 	http_async_abandon();
 	for (int i = 0; i < relay_loop.nheld; i++)
+	{
 		relay_loop.held[i]->outcome = RELAY_SKIPPED;
+		relay_loop.held[i]->row_held = false;	/* nothing is given back */
+	}
 	for (int i = 0; i < relay_loop.nlocal; i++)
 		relay_loop_release_batch(relay_loop.local[i]);
 	relay_loop.nlocal = 0;

@@ -30,6 +30,16 @@
  * A synchronous pass (idem_outbox_relay) neither publishes nor reads the
  * counts: it bounds only its own requests to a destination.
  *
+ * The entry of a destination also carries a pause that its endpoint asked
+ * for (a 429 or 503 with Retry-After) as soon as a loop receives it, so
+ * that every loop holding chains of webhooks for it stops sending their
+ * next requests at once (relay_inflight_paced), not only after the outcome
+ * is recorded; each process also keeps the pauses it received itself, for
+ * a destination that found no entry.  A pause counts only until the
+ * destinations next change (stats.c's destination generation): resuming
+ * or altering a destination ends its pacing, and the chains claimed before
+ * the change are given back anyway.
+ *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
@@ -44,6 +54,7 @@
 
 #include "relay.h"
 #include "relay_internal.h"
+#include "stats.h"
 
 /* Destinations with requests in flight, in all databases, that the table holds. */
 #define RELAY_INFLIGHT_MAX	8192
@@ -60,7 +71,21 @@ typedef struct InflightEntry
 {
 	InflightKey key;
 	int32		chains;
+	TimestampTz paced_until;	/* its endpoint asked for a pause until then (0: none) */
+	uint64		paced_generation;	/* the destination generation it was asked in */
 } InflightEntry;
+
+/* A pause this process received: destination id, until when. */
+typedef struct LocalPace
+{
+	int32		dest_id;
+	TimestampTz until;
+	uint64		generation;		/* the destination generation it was asked in */
+} LocalPace;
+
+/* Pauses this process received that may still run (expired ones are reused). */
+#define RELAY_LOCAL_PACES	64
+static LocalPace local_paces[RELAY_LOCAL_PACES];
 
 static HTAB *inflight_table = NULL;
 static LWLock *inflight_lock = NULL;
@@ -74,6 +99,11 @@ static shmem_startup_hook_type prev_shmem_startup_hook = NULL;
 /* What this process has published: destination ids and their chains. */
 static int32 *published_ids = NULL;
 static int32 *published_chains = NULL;
+/* relay_inflight_publish's scratch: what it published before, and their pauses. */
+static int32 *scratch_ids = NULL;
+static TimestampTz *scratch_paces = NULL;
+static uint64 *scratch_generations = NULL;
+static int	scratch_size = 0;
 static int	npublished = 0;
 static int	published_size = 0;
 static bool exit_registered = false;
@@ -176,6 +206,40 @@ relay_inflight_add_others(RelayRooms *rooms)
 	}
 }
 
+/* Destination id's shared entry, or NULL; the caller holds the LWLock. */
+static InflightEntry *
+relay_inflight_entry(int32 id)
+{
+	InflightKey key;
+
+	memset(&key, 0, sizeof(key));
+	key.dbid = MyDatabaseId;
+	key.dest_id = id;
+	return hash_search(inflight_table, &key, HASH_FIND, NULL);
+}
+
+/*
+ * The pause that destination id's shared entry carries for destination
+ * generation *generation (0: none, or no entry), after raising it to until
+ * if that is later (a pause of an older generation is replaced); the
+ * caller holds the LWLock (exclusively if until is not 0).  A pause of
+ * another generation reads as none.
+ */
+static TimestampTz
+relay_inflight_entry_pace(int32 id, TimestampTz until, uint64 generation)
+{
+	InflightEntry *e = relay_inflight_entry(id);
+
+	if (e == NULL)
+		return 0;
+	if (until != 0 && (e->paced_generation != generation || until > e->paced_until))
+	{
+		e->paced_until = until;
+		e->paced_generation = generation;
+	}
+	return e->paced_generation == generation ? e->paced_until : 0;
+}
+
 /*
  * Add delta to destination id's shared count; the caller holds the LWLock
  * exclusively.  Returns false if the table is full and had no entry for it.
@@ -194,7 +258,11 @@ relay_inflight_adjust(int32 id, int32 delta)
 	if (e == NULL)
 		return false;			/* table full: this destination is bounded per process */
 	if (!found)
+	{
 		e->chains = 0;
+		e->paced_until = 0;
+		e->paced_generation = 0;
+	}
 	e->chains += delta;
 	if (e->chains <= 0)
 		(void) hash_search(inflight_table, &key, HASH_REMOVE, NULL);
@@ -218,6 +286,7 @@ relay_inflight_publish(RelayRooms *held)
 {
 	bool		same = true;
 	int			nheld = 0;
+	int			nold;
 
 	if (inflight_table == NULL)
 		return;
@@ -250,10 +319,32 @@ relay_inflight_publish(RelayRooms *held)
 			published_chains = repalloc(published_chains, sizeof(int32) * published_size);
 		}
 	}
+	if (scratch_size < published_size)
+	{
+		if (scratch_ids != NULL)
+		{
+			pfree(scratch_ids);
+			pfree(scratch_paces);
+			pfree(scratch_generations);
+		}
+		scratch_ids = MemoryContextAlloc(TopMemoryContext, sizeof(int32) * published_size);
+		scratch_paces = MemoryContextAlloc(TopMemoryContext, sizeof(TimestampTz) * published_size);
+		scratch_generations = MemoryContextAlloc(TopMemoryContext, sizeof(uint64) * published_size);
+		scratch_size = published_size;
+	}
 
 	LWLockAcquire(inflight_lock, LW_EXCLUSIVE);
+	/* What was published goes; an entry that comes back keeps its pause. */
+	nold = npublished;
 	for (int i = 0; i < npublished; i++)
+	{
+		InflightEntry *e = relay_inflight_entry(published_ids[i]);
+
+		scratch_ids[i] = published_ids[i];
+		scratch_paces[i] = e ? e->paced_until : 0;
+		scratch_generations[i] = e ? e->paced_generation : 0;
 		(void) relay_inflight_adjust(published_ids[i], -published_chains[i]);
+	}
 	npublished = 0;
 	for (int i = 0; i < held->n; i++)
 		if (held->active[i] > 0 && relay_inflight_adjust(held->ids[i], held->active[i]))
@@ -261,6 +352,10 @@ relay_inflight_publish(RelayRooms *held)
 			published_ids[npublished] = held->ids[i];
 			published_chains[npublished] = held->active[i];
 			npublished++;
+			for (int j = 0; j < nold; j++)
+				if (scratch_ids[j] == held->ids[i] && scratch_paces[j] != 0)
+					(void) relay_inflight_entry_pace(held->ids[i], scratch_paces[j],
+													 scratch_generations[j]);
 		}
 	LWLockRelease(inflight_lock);
 }
@@ -276,4 +371,64 @@ relay_inflight_withdraw(void)
 		(void) relay_inflight_adjust(published_ids[i], -published_chains[i]);
 	npublished = 0;
 	LWLockRelease(inflight_lock);
+}
+
+/*
+ * Destination id's endpoint asked for a pause until then: the loops'
+ * chains of webhooks for it stop (see relay_inflight_paced).
+ */
+void
+relay_inflight_pace(int32 id, TimestampTz until)
+{
+	int			slot = -1;
+	TimestampTz now = GetCurrentTimestamp();
+	uint64		generation = idem_stats_dest_generation();
+
+	for (int i = 0; i < RELAY_LOCAL_PACES; i++)
+	{
+		bool		running = local_paces[i].until > now &&
+			local_paces[i].generation == generation;
+
+		if (running && local_paces[i].dest_id == id)
+		{
+			slot = i;
+			break;
+		}
+		if (slot < 0 && !running)
+			slot = i;
+	}
+	/* All taken by other running pauses: the shared entry has to do. */
+	if (slot >= 0)
+	{
+		if (local_paces[slot].dest_id == id && local_paces[slot].until > now &&
+			local_paces[slot].generation == generation)
+			until = Max(until, local_paces[slot].until);
+		local_paces[slot].dest_id = id;
+		local_paces[slot].until = until;
+		local_paces[slot].generation = generation;
+	}
+	if (inflight_table == NULL)
+		return;
+	LWLockAcquire(inflight_lock, LW_EXCLUSIVE);
+	(void) relay_inflight_entry_pace(id, until, generation);
+	LWLockRelease(inflight_lock);
+}
+
+/* Whether destination id's endpoint asked for a pause that runs at now. */
+bool
+relay_inflight_paced(int32 id, TimestampTz now)
+{
+	bool		paced;
+	uint64		generation = idem_stats_dest_generation();
+
+	for (int i = 0; i < RELAY_LOCAL_PACES; i++)
+		if (local_paces[i].dest_id == id && local_paces[i].until > now &&
+			local_paces[i].generation == generation)
+			return true;
+	if (inflight_table == NULL)
+		return false;
+	LWLockAcquire(inflight_lock, LW_SHARED);
+	paced = relay_inflight_entry_pace(id, 0, generation) > now;
+	LWLockRelease(inflight_lock);
+	return paced;
 }

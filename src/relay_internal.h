@@ -84,6 +84,8 @@ extern bool relay_inflight_try_lock(void);
 extern void relay_inflight_add_others(RelayRooms *rooms);
 extern void relay_inflight_publish(RelayRooms *held);
 extern void relay_inflight_withdraw(void);
+extern void relay_inflight_pace(int32 id, TimestampTz until);
+extern bool relay_inflight_paced(int32 id, TimestampTz now);
 
 /* relay_circuit.c: per-destination endpoint state */
 extern void relay_endpoint_states(RelayItem **items, int n);

@@ -164,14 +164,21 @@ static void
 relay_loop_finished(RelayItem *it)
 {
 	relay_loop_push_done(it);
+	/* An endpoint that asks for a pause gets no further request meanwhile. */
+	if (it->retry_after_ms >= 0 && it->dest != NULL)
+		relay_inflight_pace(it->dest_id, it->finished_at +
+							Min(it->retry_after_ms, it->dest->backoff_cap_ms) * 1000);
+
 	/*
 	 * The next of its chain goes, unless a destination was paused, altered,
-	 * dropped or disabled since the claim: then the rest of the chain is
-	 * given back, and the next claim sees the destination as it is now.
+	 * dropped or disabled since the claim, or its endpoint asked for a pause
+	 * (Retry-After, received by any relay loop): then the rest of the chain
+	 * is given back, and the next claim sees the destination as it is now.
 	 */
 	if (it->outcome == RELAY_DELIVERED && it->chain_next != NULL &&
 		it->chain_next->outcome == RELAY_PENDING &&
-		((RelayBatch *) it->batch)->dest_generation == idem_stats_dest_generation())
+		((RelayBatch *) it->batch)->dest_generation == idem_stats_dest_generation() &&
+		!relay_inflight_paced(it->dest_id, GetCurrentTimestamp()))
 	{
 		it->chain_next->chain_held = false;
 		relay_loop_start(it->chain_next);

@@ -18,8 +18,11 @@
 # (x-event-key, x-event-topic), "-" when absent.
 #
 # The mode is read from a file for every request, so the test changes it at
-# any time: "204", "500", "410", "sleep <seconds> <status>", or
-# "<status> retry-after <value>" (the answer carries "Retry-After: <value>").
+# any time: "204", "500", "410", "sleep <seconds> <status>",
+# "<status> retry-after <value>" (the answer carries "Retry-After: <value>"),
+# or "key <key> <status> retry-after <value> after <seconds> else sleep
+# <seconds>" (that answer, after a while, to the requests of one key,
+# x-event-key; 204 after a while to the others).
 #
 # The server runs in a child process of the test (fork); each connection is
 # served by a child of the server, so many requests are in flight at once
@@ -203,6 +206,20 @@ sub _serve
 		{
 			$status = $1;
 			$extra = "Retry-After: $2\r\n";
+		}
+		elsif ($mode =~ /^key (\S+) (\d+) retry-after (\S+) after (\S+) else sleep (\S+)$/)
+		{
+			if (($h{'x-event-key'} // '') eq $1)
+			{
+				sleep $4;
+				$status = $2;
+				$extra = "Retry-After: $3\r\n";
+			}
+			else
+			{
+				sleep $5;
+				$status = 204;
+			}
 		}
 		$status = 401 unless $verified;
 		$self->_log(sprintf("answered %.6f %s %d %d %s %s", time(), $id, $status, $verified,

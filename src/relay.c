@@ -141,19 +141,23 @@ static bool relay_timeout_registered = false;
 static TimeoutId relay_timeout_id;
 
 /*
- * Prepare a statement once per backend and keep it, with a generic plan:
- * planned once, not at every execution.  The relay's statements are shaped
- * so that one plan suits every batch (see relay_plan_settings), and under
- * plan_cache_mode "auto" the plan cache kept planning a custom plan for
- * each execution of most of them -- at a few webhooks per iteration, more
- * than a quarter of the worker's CPU went to the planner.
+ * Prepare a statement once per backend and keep it: with a generic plan
+ * (planned once, not at every execution) if generic, else planned as the
+ * plan cache sees fit.  A generic plan is for the statements that run under
+ * relay_plan_settings, shaped so that one plan suits every batch: under
+ * plan_cache_mode "auto" the plan cache kept making a custom plan at every
+ * execution of most of them -- at a few webhooks per iteration, more than a
+ * quarter of the worker's CPU went to the planner.  The others (cleanup,
+ * endpoint states) keep custom plans: a generic one chose, say, a merge
+ * join over a whole primary key where the custom one probes a BRIN range.
  */
-SPIPlanPtr
-relay_prepare(SPIPlanPtr *plan, const char *sql, int nargs, Oid *argtypes)
+static SPIPlanPtr
+relay_prepare_plan(SPIPlanPtr *plan, const char *sql, int nargs, Oid *argtypes, bool generic)
 {
 	if (*plan == NULL)
 	{
-		SPIPlanPtr	p = SPI_prepare_cursor(sql, nargs, argtypes, CURSOR_OPT_GENERIC_PLAN);
+		SPIPlanPtr	p = SPI_prepare_cursor(sql, nargs, argtypes,
+										   generic ? CURSOR_OPT_GENERIC_PLAN : 0);
 
 		if (p == NULL)
 			elog(ERROR, "SPI_prepare_cursor failed: %s", SPI_result_code_string(SPI_result));
@@ -162,6 +166,23 @@ relay_prepare(SPIPlanPtr *plan, const char *sql, int nargs, Oid *argtypes)
 		*plan = p;
 	}
 	return *plan;
+}
+
+/* Prepare a statement once per backend and keep it (see relay_prepare_plan). */
+SPIPlanPtr
+relay_prepare(SPIPlanPtr *plan, const char *sql, int nargs, Oid *argtypes)
+{
+	return relay_prepare_plan(plan, sql, nargs, argtypes, false);
+}
+
+/*
+ * The same, with a generic plan, for a statement run under
+ * relay_plan_settings (see relay_prepare_plan).
+ */
+static SPIPlanPtr
+relay_prepare_shaped(SPIPlanPtr *plan, const char *sql, int nargs, Oid *argtypes)
+{
+	return relay_prepare_plan(plan, sql, nargs, argtypes, true);
 }
 
 /*
@@ -335,7 +356,7 @@ relay_load_dests(MemoryContext cxt, RelayItem **items, int n)
 		if (j == nids)
 			ids[nids++] = Int32GetDatum(items[i]->dest_id);
 	}
-	plan = relay_prepare(&dests_plan,
+	plan = relay_prepare_shaped(&dests_plan,
 						 "SELECT id, name, kind, target, func, run_as, search_path, secrets,"
 						 "       headers, max_attempts, backoff_base_ms, backoff_cap_ms, timeout_ms,"
 						 "       options @> '{\"reference\": true}',"
@@ -836,7 +857,7 @@ relay_takes(int max_events, RelayRooms *rooms, TimestampTz now, RelayShare **sha
 
 	*wanted = 0;
 	*shares = NULL;
-	plan = relay_prepare(&rooms_plan, ROOMS_SQL, 5, argtypes);
+	plan = relay_prepare_shaped(&rooms_plan, ROOMS_SQL, 5, argtypes);
 	for (int i = 0; i < rooms->n; i++)
 	{
 		ids[i] = Int32GetDatum(rooms->ids[i]);
@@ -965,7 +986,7 @@ relay_claim_heads(int max_events, bool windowed, int waves, RelayRooms *rooms,
 		ids[i] = Int32GetDatum(shares[i].id);
 		takes[i] = Int32GetDatum(shares[i].take);
 	}
-	plan = relay_prepare(&claim_plan, CLAIM_HEADS, 6, argtypes);
+	plan = relay_prepare_shaped(&claim_plan, CLAIM_HEADS, 6, argtypes);
 	values[0] = TimestampTzGetDatum(now);
 	values[1] = Int32GetDatum(windowed ? HEADS_WINDOW : 0);
 	values[2] = Int32GetDatum(relay_visibility_margin);
@@ -1023,7 +1044,7 @@ relay_claim_followers(int room, int waves, TimestampTz now, MemoryContext cxt,
 	if (nheads == 0 || room <= 0)
 		return n;
 
-	plan = relay_prepare(&followers_plan,
+	plan = relay_prepare_shaped(&followers_plan,
 						 "WITH heads AS ("
 						 " SELECT * FROM unnest($5::int4[], $6::text[], $7::int8[])"
 						 "   AS h(destination_id, key, seq)),"
@@ -1215,7 +1236,7 @@ relay_mark_held(RelayItem **items, int n)
 		dests[i] = Int32GetDatum(items[i]->dest_id);
 		claims[i] = Int64GetDatum(items[i]->claim);
 	}
-	plan = relay_prepare(&still_ours_plan,
+	plan = relay_prepare_shaped(&still_ours_plan,
 						 "SELECT r.n"
 						 "  FROM unnest($1::uuid[], $2::int4[], $3::int8[]) WITH ORDINALITY"
 						 "       AS r(event_id, destination_id, claims, n)"
@@ -1275,7 +1296,7 @@ relay_relock(RelayItem **items, int n, bool *any)
 		return;
 	*any = true;
 
-	plan = relay_prepare(&lock_plan,
+	plan = relay_prepare_shaped(&lock_plan,
 						 "SELECT r.n"
 						 "  FROM unnest($1::uuid[], $2::int4[], $3::int8[]) WITH ORDINALITY"
 						 "       AS r(event_id, destination_id, claims, n),"
@@ -1381,7 +1402,7 @@ relay_renew_claims(RelayItem **items, int n, RelayLease *lease)
 	}
 	if (m > 0)
 	{
-		plan = relay_prepare(&renew_plan,
+		plan = relay_prepare_shaped(&renew_plan,
 							 "WITH r AS ("
 							 " SELECT * FROM unnest($1::uuid[], $2::int4[], $3::int8[], $4::timestamptz[])"
 							 "   WITH ORDINALITY AS r(event_id, destination_id, claims, until, n)),"
@@ -1760,7 +1781,7 @@ relay_record(RelayItem **items, int n, RelayItem **missed)
 	if (m == 0)
 		return 0;
 
-	plan = relay_prepare(&record_plan,
+	plan = relay_prepare_shaped(&record_plan,
 						 "WITH r AS ("
 						 " SELECT * FROM unnest($1::uuid[], $2::int4[], $3::int8[], $4::text[],"
 						 "                      $5::timestamptz[], $6::int4[], $7::text[], $8::int8[],"
@@ -1861,7 +1882,7 @@ relay_outcomes_held(RelayItem **items, int n, bool *held)
 	}
 	if (n == 0)
 		return;
-	plan = relay_prepare(&held_plan,
+	plan = relay_prepare_shaped(&held_plan,
 						 "SELECT r.n FROM unnest($1::uuid[], $2::int4[]) WITH ORDINALITY"
 						 "       AS r(event_id, destination_id, n),"
 						 "  LATERAL (SELECT d.ctid FROM idempotency.deliveries d"
@@ -2158,7 +2179,7 @@ relay_next_due_except(int32 *full, int nfull)
 	step.own_xact = !IsTransactionState();
 	if (!relay_step_begin(&step, "idempotency relay: next due", true))
 		return 0;
-	plan = relay_prepare(&next_due_plan,
+	plan = relay_prepare_shaped(&next_due_plan,
 						 BUSY_DESTS
 						 ", t AS MATERIALIZED ("
 						 " SELECT x.* FROM busy b, LATERAL ("

@@ -1358,6 +1358,7 @@ relay_renew_claims(RelayItem **items, int n, RelayLease *lease)
 	TimestampTz now = GetCurrentTimestamp();
 	RelayItem **mine;
 	bool	   *renewed;
+	TimestampTz *before;		/* the deadlines they had */
 	int			m = 0;
 	int			k;
 	RelayStep	step;
@@ -1381,6 +1382,7 @@ relay_renew_claims(RelayItem **items, int n, RelayLease *lease)
 	untils = palloc(sizeof(Datum) * n);
 	mine = palloc(sizeof(RelayItem *) * n);
 	renewed = palloc0(sizeof(bool) * n);
+	before = palloc(sizeof(TimestampTz) * n);
 	for (int i = 0; i < n; i++)
 	{
 		TimestampTz until;
@@ -1397,6 +1399,7 @@ relay_renew_claims(RelayItem **items, int n, RelayLease *lease)
 		dests[m] = Int32GetDatum(items[i]->dest_id);
 		claims[m] = Int64GetDatum(items[i]->claim);
 		untils[m] = TimestampTzGetDatum(until);
+		before[m] = items[i]->claimed_until;
 		items[i]->claimed_until = until;
 		mine[m++] = items[i];
 	}
@@ -1435,6 +1438,11 @@ relay_renew_claims(RelayItem **items, int n, RelayLease *lease)
 		for (int j = 0; j < m; j++)
 			if (!renewed[j] && mine[j]->outcome == RELAY_PENDING && !mine[j]->sent)
 			{
+				/*
+				 * Its claim runs out when it did: until a give-back is
+				 * recorded, the loop must not claim it again after that.
+				 */
+				mine[j]->claimed_until = before[j];
 				mine[j]->outcome = RELAY_SKIPPED;
 				relay_release_chain(mine[j]);
 				mine[k++] = mine[j];

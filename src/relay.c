@@ -393,11 +393,11 @@ relay_load_dests(MemoryContext cxt, RelayItem **items, int n)
 		{
 			Datum	   *elems;
 			bool	   *nulls;
-			int			n;
+			int			nsecrets;
 
 			deconstruct_array(DatumGetArrayTypeP(secrets), TEXTOID, -1, false,
-							  TYPALIGN_INT, &elems, &nulls, &n);
-			for (int j = 0; j < n; j++)
+							  TYPALIGN_INT, &elems, &nulls, &nsecrets);
+			for (int j = 0; j < nsecrets; j++)
 				if (!nulls[j])
 					d->secrets = lappend(d->secrets,
 										 http_decode_secret(TextDatumGetCString(elems[j])));

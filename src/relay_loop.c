@@ -197,15 +197,14 @@ relay_loop_finished(RelayItem *it)
  * (row_held) is given back: its outcome joins done, recorded once the row
  * is free.  Left to its claim, it would be taken for an interrupted attempt.
  */
-static bool
+static void
 relay_loop_give_back_held(RelayItem *it)
 {
 	if (it->outcome != RELAY_SKIPPED || !it->row_held)
-		return false;
+		return;
 	it->row_held = false;
 	it->outcome = RELAY_RELEASED;
 	relay_loop_push_done(it);
-	return true;
 }
 
 /* Drop from held what is no longer pending (recorded, or not ours any more). */
@@ -222,7 +221,7 @@ relay_loop_compact(void)
 			relay_loop.held[k++] = it;
 		else
 		{
-			(void) relay_loop_give_back_held(it);
+			relay_loop_give_back_held(it);
 			relay_loop_release_batch(it);
 		}
 	}
@@ -724,7 +723,7 @@ relay_loop_local_slice(void)
 			relay_loop.local[k++] = it;
 		else
 		{
-			(void) relay_loop_give_back_held(it);
+			relay_loop_give_back_held(it);
 			if (it->outcome == RELAY_DELIVERED || it->outcome == RELAY_FAILED)
 				attempted++;
 			relay_loop_release_batch(it);
